@@ -1,0 +1,170 @@
+// Input validation shared by the CPU and CUDA launchers of the vegas ops.
+// Every failure names the argument and what was expected.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace vegas {
+
+// Sizes of one attention call. Tensors: q [B, Q, H_q, D]; k/v cache [B, H_kv, S, D].
+struct AttnDims {
+  int64_t B, Q, Hq, Hkv, S, D, group;  // group = H_q / H_kv (GQA ratio)
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool is_attn_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline void check_same_device(const char* op, const at::Tensor& ref, const char* ref_name,
+                              const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",
+              ref_name, " (", ref.device(), "), got ", t.device());
+}
+
+inline void check_int32_vector(const char* op, const at::Tensor& t, const char* name, int64_t B) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == B, op, ": ", name, " must have shape [B] = [", B,
+              "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ",
+              t.scalar_type());
+}
+
+// Shape / dtype / device checks for (q, k_cache, v_cache, seq_lens); no reads of values.
+inline AttnDims check_attention_inputs(const char* op, const at::Tensor& q,
+                                       const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& seq_lens, int64_t block_size,
+                                       double scale) {
+  TORCH_CHECK(q.dim() == 4, op, ": q must be 4-D [B, Q, H_q, D], got shape ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, op, ": k_cache must be 4-D [B, H_kv, S, D], got shape ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op,
+              ": v_cache must have the shape of k_cache ", k_cache.sizes(), ", got ",
+              v_cache.sizes());
+  TORCH_CHECK(is_attn_dtype(q.scalar_type()), op,
+              ": q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), op, ": k_cache dtype (",
+              k_cache.scalar_type(), ") must equal q dtype (", q.scalar_type(), ")");
+  TORCH_CHECK(v_cache.scalar_type() == q.scalar_type(), op, ": v_cache dtype (",
+              v_cache.scalar_type(), ") must equal q dtype (", q.scalar_type(), ")");
+  check_same_device(op, q, "q", k_cache, "k_cache");
+  check_same_device(op, q, "q", v_cache, "v_cache");
+  check_same_device(op, q, "q", seq_lens, "seq_lens");
+  AttnDims d;
+  d.B = q.size(0);
+  d.Q = q.size(1);
+  d.Hq = q.size(2);
+  d.D = q.size(3);
+  d.Hkv = k_cache.size(1);
+  d.S = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(0) == d.B, op, ": k_cache batch size (", k_cache.size(0),
+              ") must equal q batch size (", d.B, ")");
+  TORCH_CHECK(k_cache.size(3) == d.D, op, ": k_cache head_dim (", k_cache.size(3),
+              ") must equal q head_dim (", d.D, ")");
+  TORCH_CHECK(d.D > 0, op, ": head_dim must be positive, got ", d.D);
+  TORCH_CHECK(d.Hkv > 0 && d.Hq > 0 && d.Hq % d.Hkv == 0, op,
+              ": the number of query heads H_q (", d.Hq,
+              ") must be a positive multiple of the number of KV heads H_kv (", d.Hkv, ")");
+  TORCH_CHECK(d.Q >= 1, op, ": q must hold at least one query (Q >= 1), got Q = ", d.Q);
+  TORCH_CHECK(d.Q <= d.S, op, ": Q (", d.Q, ") must not exceed the cache length S (", d.S,
+              ")");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, op,
+              ": k_cache and v_cache must be contiguous in head_dim (stride(-1) == 1)");
+  TORCH_CHECK(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, op,
+              ": scale must be a positive finite float, got ", scale);
+  check_int32_vector(op, seq_lens, "seq_lens", d.B);
+  d.group = d.Hq / d.Hkv;
+  return d;
+}
+
+// Value check of seq_lens (host copy): every length in [Q, S].
+inline void check_seq_lens_values(const char* op, const int32_t* lens, const AttnDims& d) {
+  for (int64_t b = 0; b < d.B; ++b) {
+    TORCH_CHECK(lens[b] >= d.Q && lens[b] <= d.S, op, ": seq_lens[", b, "] = ", lens[b],
+                " must lie in [Q, S] = [", d.Q, ", ", d.S, "]");
+  }
+}
+
+inline void check_query_weights(const char* op, const at::Tensor& q,
+                                const c10::optional<at::Tensor>& w, const AttnDims& d) {
+  if (!w.has_value()) return;
+  const auto& t = *w;
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == d.Q, op, ": query_weights must have shape [Q] = [",
+              d.Q, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": query_weights must be float32, got ",
+              t.scalar_type());
+  check_same_device(op, q, "q", t, "query_weights");
+}
+
+inline void check_draft_inputs(const char* op, const at::Tensor& q,
+                               const at::Tensor& block_indices, const at::Tensor& tail_start,
+                               const AttnDims& d) {
+  TORCH_CHECK(block_indices.dim() == 3 && block_indices.size(0) == d.B &&
+                  block_indices.size(1) == d.Hkv,
+              op, ": block_indices must have shape [B, H_kv, K] = [", d.B, ", ", d.Hkv,
+              ", K], got ", block_indices.sizes());
+  TORCH_CHECK(block_indices.scalar_type() == at::kInt, op,
+              ": block_indices must be int32, got ", block_indices.scalar_type());
+  check_same_device(op, q, "q", block_indices, "block_indices");
+  check_same_device(op, q, "q", tail_start, "tail_start");
+  check_int32_vector(op, tail_start, "tail_start", d.B);
+}
+
+// Value checks of the draft inputs (host copies): tail_start in [0, seq_lens-Q], block
+// indices in [-1, num_blocks), no duplicate index in a row.
+inline void check_draft_values(const char* op, const int32_t* lens, const int32_t* tail,
+                               const int32_t* idx, int64_t K, const AttnDims& d,
+                               int64_t block_size) {
+  const int64_t nblocks = ceil_div(d.S, block_size);
+  std::vector<uint8_t> seen(static_cast<size_t>(nblocks), 0);
+  for (int64_t b = 0; b < d.B; ++b) {
+    TORCH_CHECK(tail[b] >= 0 && tail[b] <= lens[b] - d.Q, op, ": tail_start[", b, "] = ",
+                tail[b], " must lie in [0, seq_lens[", b, "] - Q] = [0, ", lens[b] - d.Q, "]");
+    for (int64_t g = 0; g < d.Hkv; ++g) {
+      const int32_t* row = idx + (b * d.Hkv + g) * K;
+      for (int64_t i = 0; i < K; ++i) {
+        const int32_t j = row[i];
+        TORCH_CHECK(j >= -1 && j < nblocks, op, ": block_indices[", b, ", ", g, ", ", i,
+                    "] = ", j, " must be -1 (unused) or a block index in [0, ceil(S / block_size)) = [0, ",
+                    nblocks, ")");
+        if (j >= 0) {
+          TORCH_CHECK(!seen[j], op, ": block_indices[", b, ", ", g,
+                      "] holds block ", j, " twice; indices must be unique per row");
+          seen[j] = 1;
+        }
+      }
+      for (int64_t i = 0; i < K; ++i)
+        if (row[i] >= 0) seen[row[i]] = 0;
+    }
+  }
+}
+
+inline void check_topk_inputs(const char* op, const at::Tensor& scores, const at::Tensor& k,
+                              const at::Tensor& num_candidates, int64_t max_k,
+                              int64_t num_sink_blocks) {
+  TORCH_CHECK(scores.dim() == 3, op, ": block_scores must be 3-D [B, H, N], got shape ",
+              scores.sizes());
+  TORCH_CHECK(scores.scalar_type() == at::kFloat, op, ": block_scores must be float32, got ",
+              scores.scalar_type());
+  check_same_device(op, scores, "block_scores", k, "k");
+  check_same_device(op, scores, "block_scores", num_candidates, "num_candidates");
+  check_int32_vector(op, k, "k", scores.size(0));
+  check_int32_vector(op, num_candidates, "num_candidates", scores.size(0));
+  TORCH_CHECK(max_k >= 0, op, ": max_k must be >= 0, got ", max_k);
+  TORCH_CHECK(max_k <= (int64_t)INT32_MAX, op, ": max_k must fit in int32, got ", max_k);
+  TORCH_CHECK(num_sink_blocks >= 0, op, ": num_sink_blocks must be >= 0, got ", num_sink_blocks);
+}
+
+inline void check_topk_values(const char* op, const int32_t* k, const int32_t* ncand, int64_t B) {
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(k[b] >= 0, op, ": k[", b, "] = ", k[b], " must be >= 0");
+    TORCH_CHECK(ncand[b] >= 0, op, ": num_candidates[", b, "] = ", ncand[b], " must be >= 0");
+  }
+}
+
+}  // namespace vegas

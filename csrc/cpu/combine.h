@@ -1,0 +1,34 @@
+// Split-KV combine (flash-decoding): merge the online-softmax states of one query row
+// computed over disjoint token ranges into the final output row and log-sum-exp.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace vegas {
+namespace cpu {
+
+// m/l/acc of split sp live at m[sp * stride], l[sp * stride], acc[sp * stride * D].
+// Writes out[0:D] = sum_sp acc_sp * exp(m_sp - lse) and returns lse (natural log).
+inline float combine_row(const float* m, const float* l, const float* acc, int64_t nsplit,
+                         int64_t stride, int64_t D, float* out) {
+  float M = -std::numeric_limits<float>::infinity();
+  for (int64_t sp = 0; sp < nsplit; ++sp)
+    if (l[sp * stride] > 0.f) M = std::max(M, m[sp * stride]);
+  float tot = 0.f;
+  for (int64_t sp = 0; sp < nsplit; ++sp)
+    if (l[sp * stride] > 0.f) tot += l[sp * stride] * std::exp(m[sp * stride] - M);
+  const float lse = M + std::log(tot);
+  for (int64_t e = 0; e < D; ++e) out[e] = 0.f;
+  for (int64_t sp = 0; sp < nsplit; ++sp) {
+    if (!(l[sp * stride] > 0.f)) continue;
+    const float w = std::exp(m[sp * stride] - lse);
+    const float* a = acc + sp * stride * D;
+    for (int64_t e = 0; e < D; ++e) out[e] += w * a[e];
+  }
+  return lse;
+}
+
+}  // namespace cpu
+}  // namespace vegas

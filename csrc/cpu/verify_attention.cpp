@@ -1,0 +1,182 @@
+// CPU kernel of vegas::verify_attention: causal attention of the Q newest tokens over
+// the whole KV cache, with the attention mass of every KV block reduced on the fly.
+//
+// Phase 1, parallel over (batch, KV head, split of the tokens): each task keeps the
+// online-softmax state of its R = Q * group rows and, per row and block, the sum of
+// exp(score - running max) with the running max of the last tile that touched the
+// block (per-block partial log-sum-exps). Splits start on block boundaries, so each
+// block belongs to one split. Phase 2, parallel over (batch, KV head): combine the
+// splits into out / lse, then normalize the block sums by the final lse:
+//   block_scores[b, g, j] = sum_r w_r * bsum[r, j] * exp(m_ref[r, j] - lse_r).
+// No [Q, S] probability matrix is formed. Source of the method: Vegas, arXiv 2602.07223.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "checks.h"
+#include "cpu/combine.h"
+#include "cpu/isa.h"
+
+namespace vegas {
+namespace cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const int32_t* lens, const float* qw, const AttnDims& d, int64_t bs,
+                 double scale, at::Tensor& out, at::Tensor& lse, at::Tensor& scores) {
+  const int64_t B = d.B, Q = d.Q, Hkv = d.Hkv, G = d.group, D = d.D, S = d.S;
+  const int R = static_cast<int>(Q * G);
+  const int64_t N = ceil_div(S, bs);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  const int64_t nsplit = choose_num_splits(B * Hkv, max_len, at::get_num_threads());
+  // split length: a whole number of blocks
+  const int64_t split_len = ceil_div(ceil_div(max_len, nsplit), bs) * bs;
+  const int64_t ntiles = ceil_div(split_len, kTile);
+
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), kt = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vt = v_cache.stride(2);
+  TORCH_CHECK(kb == vb && kh == vh && kt == vt,
+              "verify_attention: k_cache and v_cache must have the same strides");
+
+  auto fopt = at::TensorOptions().dtype(at::kFloat);
+  // per (b, g, split): m [R], l [R], acc [R, D], mt [R, ntiles]
+  std::vector<float> m_all(B * Hkv * nsplit * R, kNegInf), l_all(B * Hkv * nsplit * R, 0.f);
+  std::vector<float> acc_all(B * Hkv * nsplit * R * D, 0.f);
+  std::vector<float> mt_all(B * Hkv * nsplit * R * ntiles, kNegInf);
+  // per (b, g): bsum [R, N]
+  std::vector<float> bsum_all(B * Hkv * R * N, 0.f);
+
+  at::parallel_for(0, B * Hkv * nsplit, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(R * D);
+    std::vector<int64_t> pos(R);
+    std::vector<float> scratch(Scratch::floats(R, D), 0.f);
+    std::vector<int64_t> tok(kTile);
+    std::vector<int32_t> bo(kTile);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t sp = task % nsplit;
+      const int64_t bg = task / nsplit;
+      const int64_t b = bg / Hkv, g = bg % Hkv;
+      const int64_t L = lens[b];
+      const int64_t t0 = sp * split_len;
+      const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
+      if (t0 >= t1) continue;
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const int64_t r = i * G + hh;
+          const T* src = qp + ((b * Q + i) * d.Hq + g * G + hh) * D;
+          for (int64_t e = 0; e < D; ++e) qf[r * D + e] = static_cast<float>(src[e]) * float(scale);
+          pos[r] = L - Q + i;
+        }
+      const int64_t base = (bg * nsplit + sp) * R;
+      float* m = m_all.data() + base;
+      float* l = l_all.data() + base;
+      float* acc = acc_all.data() + base * D;
+      BlockSums blk;
+      blk.bsum = bsum_all.data() + bg * R * N + t0 / bs;
+      blk.nb = N;
+      blk.block0 = t0 / bs;
+      blk.block_size = bs;
+      blk.mt = mt_all.data() + base * ntiles;
+      blk.ntiles = ntiles;
+      Rows rows{R, static_cast<int>(D), qf.data(), pos.data()};
+      Scratch ws{scratch.data(), scratch.data() + D * kTile,
+                   scratch.data() + 2 * D * kTile, tok.data(), bo.data()};
+      const T* kbase = kp + b * kb + g * kh;
+      const T* vbase = vp + b * vb + g * vh;
+      VEGAS_ISA_CALL(attend<T>, rows, kbase, vbase, kt, nullptr, t0, t1 - t0, ws, m, l, acc,
+                     &blk);
+    }
+  });
+
+  float* outf = nullptr;
+  at::Tensor out32;
+  if (q.scalar_type() == at::kFloat) {
+    outf = out.data_ptr<float>();
+  } else {
+    out32 = at::empty(out.sizes(), fopt);
+    outf = out32.data_ptr<float>();
+  }
+  float* lsep = lse.data_ptr<float>();
+  float* scp = scores.data_ptr<float>();
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_lse(R);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / Hkv, g = bg % Hkv;
+      const int64_t L = lens[b];
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = r / G, hh = r % G;
+        const int64_t idx0 = bg * nsplit * R + r;
+        float* o = outf + ((b * Q + i) * d.Hq + g * G + hh) * D;
+        const float lr = combine_row(m_all.data() + idx0, l_all.data() + idx0,
+                                     acc_all.data() + idx0 * D, nsplit, R, D, o);
+        row_lse[r] = lr;
+        lsep[(b * d.Hq + g * G + hh) * Q + i] = lr;
+      }
+      // block scores
+      float* sc = scp + bg * N;
+      const float* bsum = bsum_all.data() + bg * R * N;
+      const int64_t nb_valid = ceil_div(L, bs);
+      for (int64_t j = 0; j < nb_valid; ++j) {
+        const int64_t t_first = j * bs;
+        const int64_t sp = t_first / split_len;
+        const int64_t t0 = sp * split_len;
+        const int64_t t_last = std::min<int64_t>({(j + 1) * bs, t0 + split_len, L}) - 1;
+        const int64_t tile = (t_last - t0) / kTile;
+        const float* mt = mt_all.data() + (bg * nsplit + sp) * R * ntiles;
+        float acc_s = 0.f;
+        for (int r = 0; r < R; ++r) {
+          const float bsv = bsum[r * N + j];
+          if (bsv == 0.f) continue;
+          const float w = qw ? qw[r / G] : 1.f;
+          acc_s += w * bsv * std::exp(mt[r * ntiles + tile] - row_lse[r]);
+        }
+        sc[j] = acc_s;
+      }
+    }
+  });
+  if (q.scalar_type() != at::kFloat) out.copy_(out32);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& seq_lens, int64_t block_size, double scale,
+    const c10::optional<at::Tensor>& query_weights) {
+  const char* op = "vegas::verify_attention";
+  AttnDims d = check_attention_inputs(op, q_in, k_cache, v_cache, seq_lens, block_size, scale);
+  check_query_weights(op, q_in, query_weights, d);
+  const at::Tensor lens_t = seq_lens.contiguous();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  check_seq_lens_values(op, lens, d);
+  at::Tensor qw_t;
+  const float* qw = nullptr;
+  if (query_weights.has_value()) {
+    qw_t = query_weights->contiguous();
+    qw = qw_t.data_ptr<float>();
+  }
+  const at::Tensor q = q_in.contiguous();
+  auto out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
+  auto lse = at::empty({d.B, d.Hq, d.Q}, q.options().dtype(at::kFloat));
+  auto scores = at::zeros({d.B, d.Hkv, ceil_div(d.S, block_size)}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "verify_attention_cpu", [&] {
+    verify_impl<scalar_t>(q, k_cache, v_cache, lens, qw, d, block_size, scale, out, lse, scores);
+  });
+  return {out, lse, scores};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace vegas
+
+TORCH_LIBRARY_IMPL(vegas, CPU, m) {
+  m.impl("verify_attention", &vegas::cpu::verify_attention_cpu);
+}

@@ -1,0 +1,36 @@
+// The one place where the vegas ops' schemas live.
+//
+// Kernels: csrc/cpu/<op>.cpp (TORCH_LIBRARY_IMPL(vegas, CPU, m)) and
+//          csrc/cuda/<op>.cu (TORCH_LIBRARY_IMPL(vegas, CUDA, m)).
+// Fake (meta) kernels and typed wrappers: python/vegas_ext/ops.py.
+// Plain-PyTorch references: python/vegas_ext/reference.py.
+// Method: Vegas, "Self-Speculative Decoding with Verification-Guided Sparse
+// Attention", arXiv 2602.07223.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// A bare module: importing vegas_ext._C runs the static registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "vegas_ext compiled ops (torch.ops.vegas.*)", -1, nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(vegas, m) {
+  // Verification attention over the whole KV cache, with the attention mass of
+  // every KV block reduced inside the kernel (Vegas's selection signal).
+  m.def(
+      "verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, int block_size, "
+      "float scale, Tensor? query_weights=None) -> (Tensor out, Tensor lse, Tensor block_scores)");
+  // Per-(row, head) top-k of block scores, sink blocks first, ascending output, -1 padding.
+  m.def(
+      "block_topk(Tensor block_scores, Tensor k, Tensor num_candidates, int max_k, "
+      "int num_sink_blocks) -> Tensor");
+  // Draft attention over the selected blocks (before the tail) plus the whole tail.
+  m.def(
+      "sparse_draft_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_indices, "
+      "Tensor tail_start, Tensor seq_lens, int block_size, float scale) -> Tensor");
+}

@@ -1,0 +1,389 @@
+"""Typed Python wrappers and fake (meta) kernels of the ``torch.ops.vegas`` ops.
+
+One registry: the schemas are in ``csrc/registration.cpp``; CPU kernels in
+``csrc/cpu/<op>.cpp``; CUDA kernels in ``csrc/cuda/<op>.cu``; references in
+:mod:`vegas_ext.reference`. Method: Vegas, "Self-Speculative Decoding with
+Verification-Guided Sparse Attention" (Yue, Xue, Huang), arXiv 2602.07223.
+
+Conventions shared by all ops (the KV cache of one layer):
+
+* ``k_cache``, ``v_cache``: ``[B, H_kv, S, D]``, last dim contiguous (HF static-cache layout).
+* ``seq_lens``: ``[B]`` int32; tokens ``[0, seq_lens[b])`` of row ``b`` are valid.
+* GQA: ``H_q`` is a multiple of ``H_kv``; query head ``h`` reads KV head ``h // (H_q // H_kv)``.
+* Block ``j`` covers tokens ``[j * block_size, (j + 1) * block_size)``.
+* dtypes: q/k/v float32, bfloat16 or float16 (all the same); accumulation in float32.
+
+Dispatch: on CPU the compiled C++ kernels always run. On CUDA the compiled kernels
+run only when enabled (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`),
+because they have not yet been verified on GPU hardware; otherwise, and on any
+device without a compiled kernel, the plain-PyTorch reference runs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+__all__ = [
+    "verify_attention",
+    "block_topk",
+    "sparse_draft_attention",
+    "has_compiled_kernel",
+    "set_cuda_kernels_enabled",
+    "EXTENSION_LOADED",
+]
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.vegas.* kernels)
+
+    EXTENSION_LOADED = True
+except ImportError as _e:  # pragma: no cover - exercised only without a build
+    EXTENSION_LOADED = False
+    _IMPORT_ERROR = _e
+    warnings.warn(
+        f"vegas_ext: compiled extension not available ({_e}); using the PyTorch references. "
+        "Build it with `pip install --no-build-isolation -e .`."
+    )
+    _lib = torch.library.Library("vegas", "DEF")
+    _lib.define(
+        "verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, int block_size, "
+        "float scale, Tensor? query_weights=None) -> (Tensor out, Tensor lse, Tensor block_scores)"
+    )
+    _lib.define(
+        "block_topk(Tensor block_scores, Tensor k, Tensor num_candidates, int max_k, "
+        "int num_sink_blocks) -> Tensor"
+    )
+    _lib.define(
+        "sparse_draft_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_indices, "
+        "Tensor tail_start, Tensor seq_lens, int block_size, float scale) -> Tensor"
+    )
+
+_CUDA_ENABLED = os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1"
+
+
+def set_cuda_kernels_enabled(enabled: bool) -> None:
+    """Opt in (or out) of the compiled CUDA kernels; default off until GPU-verified."""
+    global _CUDA_ENABLED
+    _CUDA_ENABLED = bool(enabled)
+
+
+def has_compiled_kernel(op: str, device_type: str) -> bool:
+    """True when ``torch.ops.vegas.<op>`` has a compiled kernel for ``device_type``."""
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"vegas::{op}", key)
+
+
+# Looked up once, so the wrappers stay traceable by torch.compile (a dict read).
+_COMPILED = {
+    (op, dev): has_compiled_kernel(op, dev)
+    for op in ("verify_attention", "block_topk", "sparse_draft_attention")
+    for dev in ("cpu", "cuda")
+}
+
+
+def _use_compiled(op: str, device: torch.device) -> bool:
+    if device.type == "cuda" and not _CUDA_ENABLED:
+        return False
+    return _COMPILED.get((op, device.type), False)
+
+
+# ---------------------------------------------------------------------------
+# shape checks shared by the fake kernels and the reference fallback
+# ---------------------------------------------------------------------------
+_ATTN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fail(op: str, msg: str):
+    raise ValueError(f"vegas::{op}: {msg}")
+
+
+def _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale):
+    if q.dim() != 4:
+        _fail(op, f"q must be 4-D [B, Q, H_q, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        _fail(op, f"k_cache must be 4-D [B, H_kv, S, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        _fail(op, f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if q.dtype not in _ATTN_DTYPES:
+        _fail(op, f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            _fail(op, f"{name} dtype ({t.dtype}) must equal q dtype ({q.dtype})")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    B, Q, Hq, D = q.shape
+    _, Hkv, S, Dk = k_cache.shape
+    if k_cache.shape[0] != B:
+        _fail(op, f"k_cache batch size ({k_cache.shape[0]}) must equal q batch size ({B})")
+    if Dk != D:
+        _fail(op, f"k_cache head_dim ({Dk}) must equal q head_dim ({D})")
+    if Hkv <= 0 or Hq <= 0 or Hq % Hkv != 0:
+        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
+    if Q < 1 or Q > S:
+        _fail(op, f"Q ({Q}) must lie in [1, S] = [1, {S}]")
+    if block_size < 1:
+        _fail(op, f"block_size must be >= 1, got {block_size}")
+    if not (math.isfinite(scale) and scale > 0):
+        _fail(op, f"scale must be a positive finite float, got {scale}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != B:
+        _fail(op, f"seq_lens must have shape [B] = [{B}], got {tuple(seq_lens.shape)}")
+    if seq_lens.dtype != torch.int32:
+        _fail(op, f"seq_lens must be int32, got {seq_lens.dtype}")
+    return B, Q, Hq, D, Hkv, S
+
+
+def _check_seq_lens_values(op, seq_lens, Q, S):
+    bad = (seq_lens < Q) | (seq_lens > S)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        _fail(op, f"seq_lens[{b}] = {int(seq_lens[b])} must lie in [Q, S] = [{Q}, {S}]")
+
+
+# ---------------------------------------------------------------------------
+# verify_attention
+# ---------------------------------------------------------------------------
+def verify_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_lens: Tensor,
+    block_size: int,
+    scale: float,
+    query_weights: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Causal attention of the Q newest tokens over the whole KV cache, plus the
+    attention mass each KV block received (Vegas's selection signal, reduced inside
+    the kernel from per-block partial log-sum-exps; no [Q, S] matrix is written).
+
+    Args:
+        q: ``[B, Q, H_q, D]`` float32/bfloat16/float16, the queries of the Q newest tokens
+            of each row, at positions ``seq_lens[b] - Q ... seq_lens[b] - 1`` (their K/V are
+            already in the cache). Query ``i`` attends to tokens ``t <= seq_lens[b] - Q + i``.
+        k_cache, v_cache: ``[B, H_kv, S, D]``, dtype of q.
+        seq_lens: ``[B]`` int32 in ``[Q, S]``.
+        block_size: tokens per block, ``>= 1``.
+        scale: softmax scale applied to ``q . k`` (usually ``D ** -0.5``).
+        query_weights: optional ``[Q]`` float32 weight of each query in the block scores
+            (default 1 each; e.g. weight only the first and last query as the authors do).
+
+    Returns:
+        ``out`` ``[B, Q, H_q, D]`` (dtype of q); ``lse`` ``[B, H_q, Q]`` float32, natural-log
+        log-sum-exp of the scaled scores; ``block_scores`` ``[B, H_kv, ceil(S / block_size)]``
+        float32: for KV head g and block j, the sum over the query heads of g and the
+        (weighted) queries of the softmax probability on the tokens of block j; zero for
+        blocks past ``seq_lens[b]``. Each (b, g) row sums to ``(H_q / H_kv) * sum(weights)``.
+
+    Raises:
+        RuntimeError / ValueError naming the argument: wrong rank, mismatched batch, heads,
+        head_dim, dtype or device, H_q not a multiple of H_kv, seq_lens not int32 or outside
+        [Q, S], block_size < 1, a non-positive scale.
+    """
+    return torch.ops.vegas.verify_attention(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights)
+
+
+def _verify_fallback(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights=None):
+    op = "verify_attention"
+    B, Q, Hq, D, Hkv, S = _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale)
+    _check_seq_lens_values(op, seq_lens, Q, S)
+    if query_weights is not None:
+        if query_weights.shape != (Q,) or query_weights.dtype != torch.float32:
+            _fail(op, f"query_weights must be float32 of shape [Q] = [{Q}], got {query_weights.dtype} {tuple(query_weights.shape)}")
+    return reference.verify_attention(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights)
+
+
+@torch.library.register_fake("vegas::verify_attention")
+def _verify_fake(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights=None):
+    B, Q, Hq, D, Hkv, S = _check_attn("verify_attention", q, k_cache, v_cache, seq_lens, block_size, scale)
+    out = q.new_empty((B, Q, Hq, D))
+    lse = q.new_empty((B, Hq, Q), dtype=torch.float32)
+    scores = q.new_empty((B, Hkv, -(-S // block_size)), dtype=torch.float32)
+    return out, lse, scores
+
+
+# ---------------------------------------------------------------------------
+# block_topk
+# ---------------------------------------------------------------------------
+def block_topk(
+    block_scores: Tensor,
+    k: Tensor,
+    num_candidates: Tensor,
+    max_k: int,
+    num_sink_blocks: int = 0,
+) -> Tensor:
+    """Top-k blocks per (row, head) by score, sink blocks always first.
+
+    Args:
+        block_scores: ``[B, H, N]`` float32 (e.g. ``verify_attention``'s block scores;
+            several layers can be stacked into the batch dimension).
+        k: ``[B]`` int32, blocks wanted per row (>= 0).
+        num_candidates: ``[B]`` int32; row b chooses among blocks ``[0, min(num_candidates[b], N))``
+            (typically the blocks before the draft tail).
+        max_k: output width; also caps the count.
+        num_sink_blocks: blocks ``[0, num_sink_blocks)`` are taken first (attention sinks,
+            StreamingLLM arXiv 2309.17453), as many as fit.
+
+    Returns:
+        ``[B, H, max_k]`` int32: ``c = min(k[b], max_k, eligible)`` block indices in ascending
+        order, then ``-1``. Ranking: higher score first; NaN ranks below every number
+        (``-inf`` included); ties go to the lower index -- identical on every device and run.
+
+    Raises:
+        RuntimeError / ValueError naming the argument: block_scores not 3-D float32, k or
+        num_candidates not int32 ``[B]`` or negative, max_k or num_sink_blocks negative.
+    """
+    return torch.ops.vegas.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks)
+
+
+def _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks):
+    if block_scores.dim() != 3:
+        _fail(op, f"block_scores must be 3-D [B, H, N], got shape {tuple(block_scores.shape)}")
+    if block_scores.dtype != torch.float32:
+        _fail(op, f"block_scores must be float32, got {block_scores.dtype}")
+    B = block_scores.shape[0]
+    for name, t in (("k", k), ("num_candidates", num_candidates)):
+        if t.device != block_scores.device:
+            _fail(op, f"{name} must be on the same device as block_scores ({block_scores.device}), got {t.device}")
+        if t.dim() != 1 or t.shape[0] != B:
+            _fail(op, f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
+        if t.dtype != torch.int32:
+            _fail(op, f"{name} must be int32, got {t.dtype}")
+    if max_k < 0:
+        _fail(op, f"max_k must be >= 0, got {max_k}")
+    if num_sink_blocks < 0:
+        _fail(op, f"num_sink_blocks must be >= 0, got {num_sink_blocks}")
+    return B
+
+
+def _topk_fallback(block_scores, k, num_candidates, max_k, num_sink_blocks):
+    op = "block_topk"
+    _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks)
+    for name, t in (("k", k), ("num_candidates", num_candidates)):
+        if bool((t < 0).any()):
+            b = int((t < 0).nonzero()[0, 0])
+            _fail(op, f"{name}[{b}] = {int(t[b])} must be >= 0")
+    return reference.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks)
+
+
+@torch.library.register_fake("vegas::block_topk")
+def _topk_fake(block_scores, k, num_candidates, max_k, num_sink_blocks):
+    B = _check_topk("block_topk", block_scores, k, num_candidates, max_k, num_sink_blocks)
+    return block_scores.new_empty((B, block_scores.shape[1], max_k), dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# sparse_draft_attention
+# ---------------------------------------------------------------------------
+def sparse_draft_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_indices: Tensor,
+    tail_start: Tensor,
+    seq_lens: Tensor,
+    block_size: int,
+    scale: float,
+) -> Tensor:
+    """Draft attention over a few selected KV blocks plus the tail.
+
+    Query head h (KV head g = h // (H_q / H_kv)) attends to the tokens of g's selected
+    blocks that lie before ``tail_start[b]``, plus every tail token
+    ``[tail_start[b], seq_lens[b])``, causally, with an exact softmax over that set.
+
+    Args:
+        q: ``[B, Q, H_q, D]``, queries at positions ``seq_lens[b] - Q ... seq_lens[b] - 1``.
+        k_cache, v_cache: ``[B, H_kv, S, D]``, dtype of q.
+        block_indices: ``[B, H_kv, K]`` int32 block indices, ``-1`` = unused, unique per row,
+            each in ``[0, ceil(S / block_size))``; any order.
+        tail_start: ``[B]`` int32 with ``0 <= tail_start[b] <= seq_lens[b] - Q`` (the start of
+            the last verification window, in Vegas).
+        seq_lens: ``[B]`` int32 in ``[Q, S]``.
+        block_size: tokens per block, ``>= 1``.
+        scale: softmax scale.
+
+    Returns:
+        ``out`` ``[B, Q, H_q, D]``, dtype of q. With every block selected it equals
+        ``verify_attention``'s output.
+
+    Raises:
+        RuntimeError / ValueError naming the argument, as :func:`verify_attention`, plus:
+        block_indices not int32 ``[B, H_kv, K]``, an index outside ``[-1, ceil(S/block_size))``
+        or repeated in a row, tail_start outside ``[0, seq_lens - Q]``.
+    """
+    return torch.ops.vegas.sparse_draft_attention(
+        q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale
+    )
+
+
+def _check_draft(op, q, block_indices, tail_start, B, Hkv):
+    if block_indices.dim() != 3 or block_indices.shape[0] != B or block_indices.shape[1] != Hkv:
+        _fail(op, f"block_indices must have shape [B, H_kv, K] = [{B}, {Hkv}, K], got {tuple(block_indices.shape)}")
+    if block_indices.dtype != torch.int32:
+        _fail(op, f"block_indices must be int32, got {block_indices.dtype}")
+    for name, t in (("block_indices", block_indices), ("tail_start", tail_start)):
+        if t.device != q.device:
+            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if tail_start.dim() != 1 or tail_start.shape[0] != B:
+        _fail(op, f"tail_start must have shape [B] = [{B}], got {tuple(tail_start.shape)}")
+    if tail_start.dtype != torch.int32:
+        _fail(op, f"tail_start must be int32, got {tail_start.dtype}")
+
+
+def _draft_fallback(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale):
+    op = "sparse_draft_attention"
+    B, Q, Hq, D, Hkv, S = _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale)
+    _check_draft(op, q, block_indices, tail_start, B, Hkv)
+    _check_seq_lens_values(op, seq_lens, Q, S)
+    nblocks = -(-S // block_size)
+    if bool(((block_indices < -1) | (block_indices >= nblocks)).any()):
+        _fail(op, f"block_indices must be -1 (unused) or a block index in [0, ceil(S / block_size)) = [0, {nblocks})")
+    srt = torch.sort(block_indices, dim=-1).values
+    if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any()):
+        _fail(op, "block_indices must be unique per row (a block index repeats)")
+    if bool(((tail_start < 0) | (tail_start > seq_lens - Q)).any()):
+        _fail(op, "tail_start must lie in [0, seq_lens - Q] for every row")
+    return reference.sparse_draft_attention(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale)
+
+
+@torch.library.register_fake("vegas::sparse_draft_attention")
+def _draft_fake(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale):
+    op = "sparse_draft_attention"
+    B, Q, Hq, D, Hkv, S = _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale)
+    _check_draft(op, q, block_indices, tail_start, B, Hkv)
+    return q.new_empty((B, Q, Hq, D))
+
+
+# ---------------------------------------------------------------------------
+# reference fallback where no compiled kernel serves a device
+# ---------------------------------------------------------------------------
+_FALLBACKS = {
+    "verify_attention": _verify_fallback,
+    "block_topk": _topk_fallback,
+    "sparse_draft_attention": _draft_fallback,
+}
+
+
+def _make_dispatching(name, compiled, fallback):
+    def fn(*args, **kwargs):
+        dev = args[0].device
+        if _use_compiled(name, dev):
+            return compiled(*args, **kwargs)
+        return fallback(*args, **kwargs)
+
+    fn.__name__ = compiled.__name__
+    fn.__qualname__ = compiled.__qualname__
+    fn.__doc__ = compiled.__doc__
+    return fn
+
+
+verify_attention = _make_dispatching("verify_attention", verify_attention, _verify_fallback)
+block_topk = _make_dispatching("block_topk", block_topk, _topk_fallback)
+sparse_draft_attention = _make_dispatching("sparse_draft_attention", sparse_draft_attention, _draft_fallback)

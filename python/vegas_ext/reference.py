@@ -1,0 +1,145 @@
+"""Plain-PyTorch references of the three vegas ops.
+
+Device-agnostic and written for clarity, not speed: they materialize the [Q, S]
+score matrix that the kernels avoid. Tests and benchmarks compare the compiled
+kernels against them, and :mod:`vegas_ext.ops` falls back to them where no
+compiled kernel exists for a device. All math is done in float32 (inputs are
+upcast first), so fp16 inputs whose dot products exceed 65504 stay finite.
+
+Contracts: see :mod:`vegas_ext.ops`. Method: Vegas, "Self-Speculative Decoding
+with Verification-Guided Sparse Attention", arXiv 2602.07223.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["verify_attention", "block_topk", "sparse_draft_attention"]
+
+
+def _expand_kv(x: Tensor, group: int) -> Tensor:
+    # [B, H_kv, S, D] -> [B, H_q, S, D]; query head h reads KV head h // group
+    return x.float().repeat_interleave(group, dim=1)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float):
+    """q [B, Q, Hq, D]; k, v [B, Hkv, S, D]; allowed [B, Hq or 1, Q, S] bool."""
+    B, Q, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    kf, vf = _expand_kv(k, group), _expand_kv(v, group)
+    qf = q.float().transpose(1, 2)  # [B, Hq, Q, D]
+    s = (qf * scale) @ kf.transpose(-1, -2)  # [B, Hq, Q, S]
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, Hq, Q]
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = (p @ vf).transpose(1, 2).to(q.dtype)  # [B, Q, Hq, D]
+    return out, lse, p
+
+
+def _causal_allowed(seq_lens: Tensor, Q: int, S: int, device) -> Tensor:
+    t = torch.arange(S, device=device)
+    qpos = seq_lens.long().view(-1, 1) - Q + torch.arange(Q, device=device).view(1, -1)  # [B, Q]
+    return t.view(1, 1, S) <= qpos.unsqueeze(-1)  # [B, Q, S]
+
+
+def verify_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_lens: Tensor,
+    block_size: int,
+    scale: float,
+    query_weights: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Reference of :func:`vegas_ext.ops.verify_attention` (same contract)."""
+    B, Q, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    allowed = _causal_allowed(seq_lens, Q, S, q.device).unsqueeze(1)  # [B, 1, Q, S]
+    out, lse, p = _attend(q, k_cache, v_cache, allowed, scale)
+    w = torch.ones(Q, device=q.device) if query_weights is None else query_weights.float()
+    pw = (p * w.view(1, 1, Q, 1)).sum(dim=2)  # [B, Hq, S]
+    pw = pw.view(B, Hkv, group, S).sum(dim=2)  # [B, Hkv, S]
+    nblocks = math.ceil(S / block_size)
+    pad = nblocks * block_size - S
+    pw = torch.nn.functional.pad(pw, (0, pad))
+    block_scores = pw.view(B, Hkv, nblocks, block_size).sum(-1)
+    return out, lse, block_scores
+
+
+def block_topk(
+    block_scores: Tensor,
+    k: Tensor,
+    num_candidates: Tensor,
+    max_k: int,
+    num_sink_blocks: int,
+) -> Tensor:
+    """Reference of :func:`vegas_ext.ops.block_topk` (same contract).
+
+    Rank = (sink first, then eligible non-NaN by score descending, then eligible NaN,
+    then ineligible), ties to the lower index; built from stable sorts.
+    """
+    B, H, N = block_scores.shape
+    dev = block_scores.device
+    idx = torch.arange(N, device=dev)
+    elig = torch.minimum(num_candidates.long(), torch.tensor(N, device=dev)).view(B, 1, 1)
+    c = torch.minimum(torch.minimum(k.long(), torch.tensor(max_k, device=dev)), elig.view(B))
+    c = c.view(B, 1, 1).expand(B, H, 1)
+    s = block_scores.float()
+    nan = torch.isnan(s)
+    key = torch.where(nan, torch.full_like(s, float("-inf")), s)
+    is_elig = idx.view(1, 1, N) < elig
+    is_sink = (idx.view(1, 1, N) < num_sink_blocks) & is_elig
+    category = torch.where(
+        is_sink,
+        torch.zeros_like(s, dtype=torch.long),
+        torch.where(is_elig, torch.where(nan, 2, 1), 3),
+    )
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    cat_sorted = torch.gather(category, -1, order)
+    order2 = torch.sort(cat_sorted, dim=-1, stable=True).indices
+    order = torch.gather(order, -1, order2)  # best first
+    kk = min(max_k, N)
+    top = order[..., :kk]
+    keep = torch.arange(kk, device=dev).view(1, 1, kk) < c
+    top = torch.where(keep, top, torch.full_like(top, N))  # N sorts after every index
+    top = torch.sort(top, dim=-1).values
+    top = torch.where(top == N, torch.full_like(top, -1), top)
+    out = torch.full((B, H, max_k), -1, dtype=torch.int32, device=dev)
+    out[..., :kk] = top.to(torch.int32)
+    return out
+
+
+def sparse_draft_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_indices: Tensor,
+    tail_start: Tensor,
+    seq_lens: Tensor,
+    block_size: int,
+    scale: float,
+) -> Tensor:
+    """Reference of :func:`vegas_ext.ops.sparse_draft_attention` (same contract)."""
+    B, Q, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    dev = q.device
+    nblocks = math.ceil(S / block_size)
+    sel = torch.zeros(B, Hkv, nblocks + 1, dtype=torch.bool, device=dev)
+    bi = block_indices.long()
+    bi = torch.where(bi < 0, torch.full_like(bi, nblocks), bi)  # -1 -> dummy slot
+    sel.scatter_(2, bi, True)
+    sel = sel[..., :nblocks]
+    t = torch.arange(S, device=dev)
+    tok_sel = sel.repeat_interleave(block_size, dim=2)[..., :S]  # [B, Hkv, S]
+    tok_sel = tok_sel & (t.view(1, 1, S) < tail_start.long().view(B, 1, 1))
+    causal = _causal_allowed(seq_lens, Q, S, dev)  # [B, Q, S]
+    in_tail = t.view(1, S) >= tail_start.long().view(B, 1)  # [B, S]
+    allowed = (tok_sel.unsqueeze(2) | in_tail.view(B, 1, 1, S)) & causal.unsqueeze(1)  # [B,Hkv,Q,S]
+    allowed = allowed.repeat_interleave(group, dim=1)  # [B, Hq, Q, S]
+    out, _, _ = _attend(q, k_cache, v_cache, allowed, scale)
+    return out
