@@ -17,29 +17,42 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["verify_attention", "block_topk", "sparse_draft_attention"]
+__all__ = [
+    "verify_attention",
+    "block_topk",
+    "sparse_draft_attention",
+    "masked_attention",
+    "causal_allowed_mask",
+    "draft_allowed_mask",
+]
 
 
-def _expand_kv(x: Tensor, group: int) -> Tensor:
-    # [B, H_kv, S, D] -> [B, H_q, S, D]; query head h reads KV head h // group
-    return x.float().repeat_interleave(group, dim=1)
+def masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, compute_dtype=torch.float32
+):
+    """Dense attention with an explicit mask.
 
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float):
-    """q [B, Q, Hq, D]; k, v [B, Hkv, S, D]; allowed [B, Hq or 1, Q, S] bool."""
+    q [B, Q, H_q, D]; k, v [B, H_kv, S, D]; allowed [B, H_q or 1, Q, S] bool.
+    Returns out [B, Q, H_q, D] (dtype of q), lse [B, H_q, Q] and probabilities
+    [B, H_q, Q, S], computed in ``compute_dtype`` (float32 for the reference; the
+    tests also run it in bf16/fp16 as the same-precision baseline).
+    """
     B, Q, Hq, D = q.shape
     group = Hq // k.shape[1]
-    kf, vf = _expand_kv(k, group), _expand_kv(v, group)
-    qf = q.float().transpose(1, 2)  # [B, Hq, Q, D]
+    # [B, H_kv, S, D] -> [B, H_q, S, D]; query head h reads KV head h // group
+    kf = k.to(compute_dtype).repeat_interleave(group, dim=1)
+    vf = v.to(compute_dtype).repeat_interleave(group, dim=1)
+    qf = q.to(compute_dtype).transpose(1, 2)  # [B, Hq, Q, D]
     s = (qf * scale) @ kf.transpose(-1, -2)  # [B, Hq, Q, S]
     s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [B, Hq, Q]
-    p = torch.exp(s - lse.unsqueeze(-1))
+    lse = torch.logsumexp(s.float(), dim=-1)  # [B, Hq, Q]
+    p = torch.exp(s - lse.unsqueeze(-1).to(compute_dtype))
     out = (p @ vf).transpose(1, 2).to(q.dtype)  # [B, Q, Hq, D]
     return out, lse, p
 
 
-def _causal_allowed(seq_lens: Tensor, Q: int, S: int, device) -> Tensor:
+def causal_allowed_mask(seq_lens: Tensor, Q: int, S: int, device) -> Tensor:
+    """[B, Q, S] bool: query i of row b sees tokens t <= seq_lens[b] - Q + i."""
     t = torch.arange(S, device=device)
     qpos = seq_lens.long().view(-1, 1) - Q + torch.arange(Q, device=device).view(1, -1)  # [B, Q]
     return t.view(1, 1, S) <= qpos.unsqueeze(-1)  # [B, Q, S]
@@ -58,8 +71,9 @@ def verify_attention(
     B, Q, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
-    allowed = _causal_allowed(seq_lens, Q, S, q.device).unsqueeze(1)  # [B, 1, Q, S]
-    out, lse, p = _attend(q, k_cache, v_cache, allowed, scale)
+    allowed = causal_allowed_mask(seq_lens, Q, S, q.device).unsqueeze(1)  # [B, 1, Q, S]
+    out, lse, p = masked_attention(q, k_cache, v_cache, allowed, scale)
+    p = p.float()
     w = torch.ones(Q, device=q.device) if query_weights is None else query_weights.float()
     pw = (p * w.view(1, 1, Q, 1)).sum(dim=2)  # [B, Hq, S]
     pw = pw.view(B, Hkv, group, S).sum(dim=2)  # [B, Hkv, S]
@@ -98,6 +112,8 @@ def block_topk(
         torch.zeros_like(s, dtype=torch.long),
         torch.where(is_elig, torch.where(nan, 2, 1), 3),
     )
+    # sinks rank by index (lowest first), so give them one equal top key
+    key = torch.where(is_sink, torch.full_like(s, float("inf")), key)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     cat_sorted = torch.gather(category, -1, order)
     order2 = torch.sort(cat_sorted, dim=-1, stable=True).indices
@@ -124,6 +140,15 @@ def sparse_draft_attention(
     scale: float,
 ) -> Tensor:
     """Reference of :func:`vegas_ext.ops.sparse_draft_attention` (same contract)."""
+    allowed = draft_allowed_mask(q, k_cache, block_indices, tail_start, seq_lens, block_size)
+    out, _, _ = masked_attention(q, k_cache, v_cache, allowed, scale)
+    return out
+
+
+def draft_allowed_mask(
+    q: Tensor, k_cache: Tensor, block_indices: Tensor, tail_start: Tensor, seq_lens: Tensor, block_size: int
+) -> Tensor:
+    """[B, H_q, Q, S] bool: which tokens each draft query may attend to."""
     B, Q, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -137,9 +162,7 @@ def sparse_draft_attention(
     t = torch.arange(S, device=dev)
     tok_sel = sel.repeat_interleave(block_size, dim=2)[..., :S]  # [B, Hkv, S]
     tok_sel = tok_sel & (t.view(1, 1, S) < tail_start.long().view(B, 1, 1))
-    causal = _causal_allowed(seq_lens, Q, S, dev)  # [B, Q, S]
+    causal = causal_allowed_mask(seq_lens, Q, S, dev)  # [B, Q, S]
     in_tail = t.view(1, S) >= tail_start.long().view(B, 1)  # [B, S]
     allowed = (tok_sel.unsqueeze(2) | in_tail.view(B, 1, 1, S)) & causal.unsqueeze(1)  # [B,Hkv,Q,S]
-    allowed = allowed.repeat_interleave(group, dim=1)  # [B, Hq, Q, S]
-    out, _, _ = _attend(q, k_cache, v_cache, allowed, scale)
-    return out
+    return allowed.repeat_interleave(group, dim=1)  # [B, Hq, Q, S]

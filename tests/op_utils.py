@@ -1,0 +1,54 @@
+"""Shared helpers for the op tests: random inputs and per-dtype error bounds.
+
+Error bound convention (flash-attention's): a kernel fed bf16/fp16 inputs must be
+within 2x the error that a same-precision PyTorch computation (matmuls and softmax
+in that dtype) makes against the float32 reference, plus a small floor.
+"""
+import math
+
+import torch
+
+from vegas_ext import reference
+
+ATOL_FLOOR = {torch.float32: 3e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def make_inputs(B, Q, Hq, Hkv, D, S, dtype, *, seed=0, device="cpu", magnitude=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Q, Hq, D, generator=g) * magnitude).to(dtype).to(device)
+    k = (torch.randn(B, Hkv, S, D, generator=g) * magnitude).to(dtype).to(device)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype).to(device)
+    # ragged lengths in [Q, S]; include both extremes when B allows
+    lens = torch.randint(Q, S + 1, (B,), generator=g)
+    lens[0] = S
+    if B > 1:
+        lens[-1] = Q
+    return q, k, v, lens.to(torch.int32).to(device)
+
+
+def out_error_bound(q, k, v, allowed, scale, dtype):
+    """2x the error of a same-precision dense attention vs the fp32 one (with a floor)."""
+    if dtype == torch.float32:
+        return ATOL_FLOOR[dtype]
+    exact, _, _ = reference.masked_attention(q.float(), k.float(), v.float(), allowed, scale)
+    low, _, _ = reference.masked_attention(q, k, v, allowed, scale, compute_dtype=dtype)
+    err = (low.float() - exact.float()).abs().max().item()
+    return max(2.0 * err, ATOL_FLOOR[dtype])
+
+
+def max_err(a, b):
+    e = (a.float() - b.float()).abs().max().item()
+    assert math.isfinite(e), "non-finite values"
+    return e
+
+
+def random_selection(B, Hkv, nblocks, K, *, seed=0, pad=1):
+    """[B, H_kv, K] int32 unique block indices per row (random order), last `pad` slots -1."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B * Hkv):
+        perm = torch.randperm(nblocks, generator=g)[:K]
+        r = torch.full((K,), -1, dtype=torch.int32)
+        r[: max(0, min(K, nblocks) - pad)] = perm[: max(0, min(K, nblocks) - pad)].int()
+        rows.append(r)
+    return torch.stack(rows).view(B, Hkv, K)

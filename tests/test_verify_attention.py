@@ -1,0 +1,106 @@
+"""vegas::verify_attention (CPU kernel) against the PyTorch reference."""
+import math
+
+import pytest
+import torch
+
+from op_utils import make_inputs, max_err, out_error_bound
+from vegas_ext import ops, reference
+
+# (B, Q, H_q, H_kv, D, S, block_size): odd shapes, GQA ratios 3/4/1/4, S = 1, S not a
+# multiple of block_size, S >= 4096.
+SHAPES = [
+    (1, 1, 4, 1, 64, 1, 1),
+    (2, 7, 9, 3, 64, 300, 16),
+    (3, 5, 8, 8, 80, 1000, 7),
+    (4, 8, 32, 8, 128, 4100, 64),
+    (2, 3, 4, 1, 128, 257, 1),
+    (3, 2, 9, 3, 80, 77, 64),
+    (1, 8, 32, 8, 64, 4096, 16),
+    (4, 1, 8, 8, 64, 129, 7),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _run(shape, dtype, query_weights=None, seed=0):
+    B, Q, Hq, Hkv, D, S, bs = shape
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=seed)
+    scale = D ** -0.5
+    got = torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, query_weights)
+    want = reference.verify_attention(q, k, v, lens, bs, scale, query_weights)
+    return (q, k, v, lens, scale), got, want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}Q{}Hq{}Hkv{}D{}S{}bs{}".format(*s))
+def test_matches_reference(shape, dtype):
+    (q, k, v, lens, scale), (out, lse, bsc), (out_r, lse_r, bsc_r) = _run(shape, dtype)
+    B, Q, Hq, Hkv, D, S, bs = shape
+    assert out.shape == (B, Q, Hq, D) and out.dtype == dtype
+    assert lse.shape == (B, Hq, Q) and lse.dtype == torch.float32
+    assert bsc.shape == (B, Hkv, math.ceil(S / bs)) and bsc.dtype == torch.float32
+    allowed = reference.causal_allowed_mask(lens, Q, S, q.device).unsqueeze(1)
+    assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
+    assert max_err(lse, lse_r) <= 1e-4 * max(1.0, lse_r.abs().max().item())
+    # block scores are sums of probabilities computed in fp32 from the same inputs
+    assert max_err(bsc, bsc_r) <= 1e-4 * Q * (Hq // Hkv)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[4]], ids=str)
+def test_block_scores_sum_to_heads_times_weights(shape):
+    B, Q, Hq, Hkv, D, S, bs = shape
+    w = torch.rand(Q) + 0.25
+    (_, _, _, lens, _), (_, _, bsc), _ = _run(shape, torch.float32, query_weights=w)
+    want = (Hq // Hkv) * w.sum().item()
+    torch.testing.assert_close(bsc.sum(-1), torch.full((B, Hkv), want), rtol=1e-5, atol=1e-5)
+    # blocks past each row's length are exactly zero
+    for b in range(B):
+        first_dead = math.ceil(int(lens[b]) / bs)
+        assert bool((bsc[b, :, first_dead:] == 0).all())
+
+
+def test_query_weights_select_queries():
+    """first/last weighting (the authors' choice) equals the reference's."""
+    shape = (2, 7, 9, 3, 64, 300, 16)
+    w = torch.zeros(7)
+    w[0] = w[-1] = 1.0
+    _, (out, _, bsc), (out_r, _, bsc_r) = _run(shape, torch.float32, query_weights=w)
+    assert max_err(bsc, bsc_r) < 1e-5
+    assert max_err(out, out_r) < 1e-5
+
+
+def test_fp16_large_magnitude_stays_finite():
+    """q.k past 65504 before scaling: fp32 accumulation keeps outputs finite and accurate."""
+    B, Q, Hq, Hkv, D, S, bs = 2, 4, 8, 2, 64, 200, 16
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, torch.float16, magnitude=60.0)
+    assert (q.float()[0, 0, 0] @ k.float()[0, 0].T).abs().max() > 65504
+    scale = D ** -0.5
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, None)
+    out_r, lse_r, bsc_r = reference.verify_attention(q, k, v, lens, bs, scale)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all() and torch.isfinite(bsc).all()
+    assert max_err(out, out_r) < 2e-2
+    assert max_err(lse, lse_r) < 1e-3 * lse_r.abs().max().item()
+    assert max_err(bsc, bsc_r) < 1e-3
+
+
+def test_noncontiguous_q_and_strided_cache():
+    """q transposed from [B, H, Q, D] (as HF produces it) and a cache slice of a longer buffer."""
+    B, Q, Hq, Hkv, D, S, bs = 2, 3, 8, 2, 64, 100, 16
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S + 20, torch.float32)
+    lens = lens.clamp(max=S)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous view
+    ks, vs = k[:, :, :S], v[:, :, :S]  # strided in the token dim of a longer buffer
+    out, lse, bsc = torch.ops.vegas.verify_attention(qt, ks, vs, lens, bs, D ** -0.5, None)
+    out_r, lse_r, bsc_r = reference.verify_attention(q, ks, vs, lens, bs, D ** -0.5)
+    assert max_err(out, out_r) < 1e-5 and max_err(bsc, bsc_r) < 1e-5
+
+
+def test_wrapper_uses_kernel_on_cpu():
+    assert ops.has_compiled_kernel("verify_attention", "cpu")
+    shape = (2, 7, 9, 3, 64, 300, 16)
+    B, Q, Hq, Hkv, D, S, bs = shape
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32)
+    a = ops.verify_attention(q, k, v, lens, bs, D ** -0.5)
+    b = torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
