@@ -68,7 +68,7 @@ def get_extensions():
     srcs = read_sources()
     debug = os.environ.get("VEGAS_DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx_flags = opt + ["-std=c++20", "-fopenmp"]
+    cxx_flags = opt + ["-std=c++20", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
     sources = srcs["common"] + srcs["cpu"]
     include_dirs = [str(ROOT / "csrc")]
     link_args = ["-fopenmp"]
