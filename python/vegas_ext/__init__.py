@@ -9,7 +9,8 @@ Ops (``torch.ops.vegas.*``, typed wrappers in :mod:`vegas_ext.ops`):
 """
 from . import ops, reference
 from .ops import block_topk, sparse_draft_attention, verify_attention
+from .decode import generate, GenerateOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "__version__"]
+__all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "generate", "GenerateOutput", "__version__"]

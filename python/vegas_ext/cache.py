@@ -1,0 +1,182 @@
+"""A preallocated, per-row KV cache for self-speculative decoding (Vegas, arXiv 2602.07223).
+
+:class:`VegasCache` is a ``transformers`` :class:`~transformers.Cache` subclass, so a Hugging Face
+Llama-family model accepts it as its cache argument. Each layer owns two buffers
+``[B, H_kv, S_max, D]`` (the layout of the ``torch.ops.vegas`` ops and of HF's static cache),
+allocated once. Every row ``b`` keeps its own valid length ``lengths[b]`` (int32): the tokens
+``[0, lengths[b])`` of that row are valid, left-aligned (no padding inside the cache).
+
+One model forward over ``Q`` new tokens per row goes like this:
+
+1. the decode loop calls :meth:`VegasCache.begin_forward` with ``Q`` (and an ``offset`` for the
+   later draft steps of a round); this fixes where each row writes: positions
+   ``lengths[b] + offset ... lengths[b] + offset + Q - 1``;
+2. every layer's ``update()`` scatters its new K/V there (one indexed assignment per buffer) and returns
+   the *whole* buffers; the attention function reads ``seq_lens`` (= ``lengths + offset + Q``) to
+   know what is valid;
+3. the loop then :meth:`commit` s the new lengths. Rollback of rejected drafts is just a smaller
+   length: nothing is copied, nothing is freed; stale K/V past a row's length is never read and is
+   overwritten by the next forward.
+
+No ``torch.cat`` growth, no per-step copies of the cache.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["VegasCache", "VegasCacheLayer"]
+
+
+class VegasCacheLayer(CacheLayerMixin):
+    """One layer of :class:`VegasCache`: ``keys`` and ``values`` buffers ``[B, H_kv, S_max, D]``."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, parent: "VegasCache", keys: Tensor, values: Tensor):
+        super().__init__()
+        self._parent = parent
+        self.keys = keys
+        self.values = values
+        self.is_initialized = True
+        self.max_cache_len = keys.shape[2]
+        self.batch_size = keys.shape[0]
+        self.num_heads = keys.shape[1]
+        self.device = keys.device
+        self.dtype = keys.dtype
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:  # pragma: no cover
+        pass  # buffers are allocated up front
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> Tuple[Tensor, Tensor]:
+        """Scatter ``key_states`` / ``value_states`` (``[B, H_kv, Q, D]``) of each row at that row's
+        write positions; return the whole ``[B, H_kv, S_max, D]`` buffers."""
+        p = self._parent
+        if p._write_pos is None or p._write_pos.shape[1] != key_states.shape[2]:
+            raise RuntimeError(
+                "VegasCache.update: begin_forward(q_len) must be called with the number of new tokens "
+                f"({key_states.shape[2]}) before the model forward"
+            )
+        # advanced indices [B, 1] and [B, Q] around a slice -> indexed shape [B, Q, H_kv, D]
+        self.keys[p._row_idx, :, p._write_pos] = key_states.transpose(1, 2).to(self.dtype)
+        self.values[p._row_idx, :, p._write_pos] = value_states.transpose(1, 2).to(self.dtype)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> Tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self._parent._max_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self._parent.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:  # pragma: no cover - not used by HF here
+        raise NotImplementedError("VegasCache rolls back per row with VegasCache.rollback(lengths)")
+
+
+class VegasCache(Cache):
+    """Preallocated KV cache with per-row lengths and rollback by length.
+
+    Args:
+        num_layers: number of decoder layers.
+        batch_size: rows ``B``.
+        num_kv_heads: ``H_kv``.
+        head_dim: ``D``.
+        max_len: ``S_max``, tokens per row the buffers hold (prompt + new tokens + drafts + 1).
+        dtype, device: of the buffers (the model's).
+
+    Attributes:
+        layers: one :class:`VegasCacheLayer` per decoder layer (``layers[i].keys`` / ``.values``:
+            ``[B, H_kv, S_max, D]``).
+        lengths: ``[B]`` int32, committed valid tokens per row.
+        seq_lens: ``[B]`` int32, valid tokens per row *during* the current forward
+            (``lengths + offset + Q``), set by :meth:`begin_forward`.
+
+    Memory: ``2 * num_layers * B * H_kv * S_max * D * itemsize`` bytes, allocated once (zeros).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device,
+    ):
+        if min(num_layers, batch_size, num_kv_heads, head_dim, max_len) < 1:
+            raise ValueError("VegasCache: all sizes must be >= 1")
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        layers = [
+            VegasCacheLayer(self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.max_len = max_len
+        self.device = torch.device(device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.seq_lens = self.lengths.clone()
+        self._row_idx = torch.arange(batch_size, device=device).unsqueeze(1)
+        self._write_pos: Optional[Tensor] = None
+        self._max_len = 0
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: int) -> "VegasCache":
+        """A cache sized for ``model`` (a HF ``*ForCausalLM``): layers, KV heads and head_dim from its
+        config, dtype and device from its parameters."""
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        p = next(model.parameters())
+        return cls(cfg.num_hidden_layers, batch_size, n_kv, head_dim, max_len, p.dtype, p.device)
+
+    # ------------------------------------------------------------------ per forward
+    def begin_forward(self, q_len: int, offset: int = 0) -> None:
+        """Prepare one forward of ``q_len`` new tokens per row, written at positions
+        ``lengths[b] + offset + [0, q_len)``. Raises ``ValueError`` if a row would write past
+        ``S_max``."""
+        start = self.lengths + offset
+        end_max = int(start.max()) + q_len
+        if end_max > self.max_len:
+            raise ValueError(f"VegasCache: a row would write up to position {end_max - 1}, past max_len {self.max_len}")
+        self._write_pos = start.long().unsqueeze(1) + torch.arange(q_len, device=self.device)
+        self.seq_lens = (start + q_len).to(torch.int32)
+        self._max_len = end_max
+
+    def commit(self, lengths: Tensor) -> None:
+        """Set the committed lengths (``[B]`` int); used after prefill and after acceptance."""
+        self.lengths = lengths.to(device=self.device, dtype=torch.int32)
+        self.seq_lens = self.lengths
+        self._max_len = int(self.lengths.max())
+
+    rollback = commit  # rolling back is committing a smaller length: nothing moves
+
+    def reset(self) -> None:
+        """Forget every row (lengths 0). The buffers keep their (stale) contents."""
+        self.commit(torch.zeros_like(self.lengths))
+
+    # ------------------------------------------------------------------ Cache API used by HF
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Longest row (HF uses it only for default positions/masks; the decode loop passes both)."""
+        return self._max_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0, *args, **kwargs) -> Tuple[int, int]:
+        return self.max_len, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._max_len
+
+    def valid_kv(self, layer_idx: int, row: int) -> Tuple[Tensor, Tensor]:
+        """The valid K/V of one row, ``[H_kv, lengths[row], D]`` each (views, for tests/inspection)."""
+        n = int(self.lengths[row])
+        return self.layers[layer_idx].keys[row, :, :n], self.layers[layer_idx].values[row, :, :n]

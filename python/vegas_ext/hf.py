@@ -1,0 +1,293 @@
+"""Hugging Face drop-in: the ``torch.ops.vegas`` ops as a transformers attention implementation.
+
+Plugs into transformers' own extension points (no copied model code):
+
+* ``transformers.AttentionInterface.register("vegas", vegas_attention_forward)``;
+* ``transformers.AttentionMaskInterface.register("vegas", vegas_attention_mask)``, so that while
+  our decode loop runs HF builds no ``O(S)`` masks (the ops take per-row lengths instead), and
+  otherwise the usual SDPA mask is built;
+* ``model.set_attn_implementation("vegas")`` in :func:`patch_model` (undone by
+  :func:`unpatch_model`, or scoped with :func:`patched`).
+
+While :mod:`vegas_ext.decode` runs a model, an :class:`AttentionState` is active (a context
+variable) and each layer's attention is, by ``state.mode``:
+
+* ``"prefill"``: plain causal attention over the new tokens (PyTorch SDPA, ``is_causal=True``,
+  GQA without repeating K/V); the cache must be empty (rows left-aligned at position 0);
+* ``"verify"``: :func:`vegas_ext.ops.verify_attention` over the whole cache; the per-layer block
+  scores (``[B, H_kv, N]``) go into ``state.block_scores[layer]``;
+* ``"draft"``: :func:`vegas_ext.ops.sparse_draft_attention` over ``state.block_indices[layer]``
+  plus the tail ``[state.tail_start, seq_lens)``.
+
+With no active state (ordinary ``model(...)`` / ``model.generate`` on a patched model) the call
+goes to transformers' own ``sdpa`` attention with its usual mask: results equal the unpatched
+model's.
+
+Supported: ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama), ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``MistralForCausalLM``. Sliding-window configs are refused unless the window
+covers the needed context. Method: Vegas, arXiv 2602.07223.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import ops
+from .cache import VegasCache
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionState",
+    "check_model_supported",
+    "patch_model",
+    "unpatch_model",
+    "patched",
+    "vegas_attention_forward",
+    "vegas_attention_mask",
+]
+
+ATTN_IMPLEMENTATION = "vegas"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+_ACTIVE: contextvars.ContextVar[Optional["AttentionState"]] = contextvars.ContextVar("vegas_attention_state", default=None)
+
+
+@dataclass
+class AttentionState:
+    """What the attention function needs during one of our forwards.
+
+    Attributes:
+        cache: the :class:`~vegas_ext.cache.VegasCache` the model writes into (its ``seq_lens`` give
+            the valid tokens per row during the forward).
+        mode: ``"prefill"``, ``"verify"`` or ``"draft"``.
+        block_size: tokens per block for scores and selection.
+        query_weights: ``None`` (every verification query counts) or a function ``Q -> [Q]`` float32
+            tensor of weights for ``verify_attention``.
+        block_scores: ``[L, B, H_kv, N]`` float32, filled by each layer in ``"verify"`` mode.
+        block_indices: ``[L, B, H_kv, K]`` int32 selected blocks for ``"draft"`` mode (``-1`` unused).
+        tail_start: ``[B]`` int32, start of the draft tail (the last verification window).
+        draft_hook: optional ``(layer_idx, q [B,Q,H_q,D], k_cache, v_cache) -> [B, H_kv, K]`` int32
+            indices, called per layer in draft mode instead of reading ``block_indices`` (for
+            query-aware selection such as Quest).
+    """
+
+    cache: VegasCache
+    mode: str = "prefill"
+    block_size: int = 16
+    query_weights: Optional[Callable[[int], Optional[Tensor]]] = None
+    block_scores: Optional[Tensor] = None
+    block_indices: Optional[Tensor] = None
+    tail_start: Optional[Tensor] = None
+    draft_hook: Optional[Callable] = None
+    _qw_cache: dict = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator["AttentionState"]:
+        """Make this the active state of the current context (thread / task) for the block."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def weights_for(self, q_len: int) -> Optional[Tensor]:
+        if self.query_weights is None:
+            return None
+        w = self._qw_cache.get(q_len)
+        if w is None:
+            w = self.query_weights(q_len)
+            self._qw_cache[q_len] = w
+        return w
+
+
+def active_state() -> Optional[AttentionState]:
+    """The :class:`AttentionState` active in this context, or ``None``."""
+    return _ACTIVE.get()
+
+
+def vegas_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+):
+    """transformers attention function (``AttentionInterface`` signature).
+
+    Args:
+        module: the HF attention module (gives ``layer_idx``).
+        query: ``[B, H_q, Q, D]``; key, value: ``[B, H_kv, S, D]`` (in our modes: the whole cache
+            buffers returned by :meth:`VegasCache.update`).
+        attention_mask: HF's mask; ignored in our modes (``None`` there), used by the fallback.
+        scaling: softmax scale (default ``D ** -0.5``).
+
+    Returns:
+        ``(out [B, Q, H_q, D], None)``.
+
+    Raises:
+        RuntimeError: in our modes, if the K/V are not our cache's buffers of that layer, or the
+            prefill does not start from an empty cache.
+    """
+    st = _ACTIVE.get()
+    if st is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = module.layer_idx
+    cl = st.cache.layers[layer]
+    if key is not cl.keys or value is not cl.values:
+        raise RuntimeError(
+            "vegas attention: the model did not write into the active VegasCache (pass it as the model's cache)"
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    mode = st.mode
+    if mode == "prefill":
+        q_len = query.shape[2]
+        out = F.scaled_dot_product_attention(
+            query,
+            key[:, :, :q_len],
+            value[:, :, :q_len],
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
+    q = query.transpose(1, 2).contiguous()  # [B, Q, H_q, D]
+    if mode == "verify":
+        out, _lse, scores = ops.verify_attention(
+            q, key, value, st.cache.seq_lens, st.block_size, float(scaling), st.weights_for(q.shape[1])
+        )
+        if st.block_scores is not None:
+            st.block_scores[layer].copy_(scores)
+        return out, None
+    if mode == "draft":
+        if st.draft_hook is not None:
+            idx = st.draft_hook(layer, q, key, value)
+        else:
+            idx = st.block_indices[layer]
+        out = ops.sparse_draft_attention(
+            q, key, value, idx, st.tail_start, st.cache.seq_lens, st.block_size, float(scaling)
+        )
+        return out, None
+    raise RuntimeError(f"vegas attention: unknown mode {mode!r}")
+
+
+def vegas_attention_mask(*args, **kwargs):
+    """transformers mask function (``AttentionMaskInterface`` signature): ``None`` while our decode
+    loop runs (the ops mask by per-row lengths), else exactly transformers' ``sdpa_mask``."""
+    if _ACTIVE.get() is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, vegas_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, vegas_attention_mask)
+
+
+# --------------------------------------------------------------------------- model checks / patching
+def _uses_sliding_window(config) -> Optional[int]:
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def check_model_supported(model, context_len: Optional[int] = None) -> None:
+    """Raise ``ValueError`` unless ``model`` is a supported decoder (Llama, Qwen2, Qwen3, Mistral
+    ``*ForCausalLM``) whose sliding window, if any, covers ``context_len`` tokens (default: the
+    model's ``max_position_embeddings``)."""
+    config = getattr(model, "config", None)
+    mtype = getattr(config, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"vegas: unsupported model {type(model).__name__} (model_type={mtype!r}); supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"vegas: {type(model).__name__} has no set_attn_implementation (transformers too old?)")
+    window = _uses_sliding_window(config)
+    if window is not None:
+        need = int(context_len if context_len is not None else config.max_position_embeddings)
+        if window < need:
+            raise ValueError(
+                f"vegas: sliding-window attention is not supported: config.sliding_window={window} is smaller than "
+                f"the context needed ({need} tokens); set config.sliding_window=None (or >= {need}) only if the "
+                "model is valid with full attention"
+            )
+
+
+def patch_model(model, max_context: Optional[int] = None):
+    """Switch ``model`` (a HF ``*ForCausalLM``) to the ``"vegas"`` attention implementation.
+
+    The previous implementation is remembered for :func:`unpatch_model`. Outside our decode loop
+    the patched model computes exactly what the unpatched one does (transformers' SDPA path).
+
+    Args:
+        model: a supported HF causal LM.
+        max_context: context the caller needs (for the sliding-window check); default the model's
+            ``max_position_embeddings``.
+
+    Returns:
+        ``model`` (patched in place).
+
+    Raises:
+        ValueError: unsupported model type, or a sliding window smaller than the needed context
+            (the message names ``config.sliding_window``).
+    """
+    check_model_supported(model, max_context)
+    cur = model.config._attn_implementation
+    if cur != ATTN_IMPLEMENTATION:
+        model._vegas_prev_attn_implementation = cur
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(f"vegas: {type(model).__name__} refused set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+    return model
+
+
+def unpatch_model(model):
+    """Restore the attention implementation ``model`` had before :func:`patch_model` (default
+    ``"sdpa"``). A no-op on an unpatched model. Returns ``model``."""
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        prev = getattr(model, "_vegas_prev_attn_implementation", None) or "sdpa"
+        model.set_attn_implementation(prev)
+    if hasattr(model, "_vegas_prev_attn_implementation"):
+        del model._vegas_prev_attn_implementation
+    return model
+
+
+def is_patched(model) -> bool:
+    """Whether ``model`` currently uses the ``"vegas"`` attention implementation."""
+    return getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+
+@contextlib.contextmanager
+def patched(model, max_context: Optional[int] = None):
+    """Context manager: :func:`patch_model` on entry, and on exit :func:`unpatch_model` if this
+    block did the patching (an already patched model stays patched)."""
+    was = is_patched(model)
+    if was:
+        check_model_supported(model, max_context)
+    else:
+        patch_model(model, max_context)
+    try:
+        yield model
+    finally:
+        if not was:
+            unpatch_model(model)
