@@ -140,6 +140,15 @@ def convert_gguf(gguf_path: str, out_dir: Optional[str] = None) -> str:
     return out_dir
 
 
+def needs_conversion(model: Optional[str] = None) -> bool:
+    """Whether :func:`load_model` would have to convert a GGUF file first (~20 s) for ``model``."""
+    try:
+        spec = default_model_path() if model is None else os.path.expanduser(str(model))
+        return spec.endswith(".gguf") and os.path.isfile(spec) and not _is_complete(gguf_cache_path(spec))
+    except ValueError:
+        return False
+
+
 def _load_folder(folder: str, dtype: torch.dtype, **kw: Any):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
