@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line (no usage dump) and exit with status 2."""
 
     def error(self, message):  # noqa: D401
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"vegas: error: {message}\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def _int(name):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
+            raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}") from None
         return v
     return parse
 
@@ -371,16 +371,16 @@ def cmd_generate(args) -> int:
     progress = not args.no_progress
 
     if not args.json:
-        first = models.needs_conversion(args.model)
-        _eprint(f"loading model {args.model or '(embedded SmolLM2-135M-Instruct GGUF)'} ..."
-                + (f" (first use: converting the GGUF once, ~20 s; cached in {models.cache_root()})" if first else ""))
+        if models.needs_conversion(args.model):
+            _eprint(f"first use of {args.model or 'the embedded SmolLM2-135M-Instruct GGUF'}: converting it once "
+                    f"(~20 s), cached in {models.cache_root()} ...")
     try:
         model, tok = models.load_model(args.model, dtype=dtype, device=device)
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     info = models.last_load_info
     if not args.json:
-        _eprint(f"loaded in {info.get('seconds', 0):.1f}s ({info.get('how')}); "
+        _eprint(f"loaded {args.model or 'embedded SmolLM2-135M-Instruct'} in {info.get('seconds', 0):.1f}s ({info.get('how')}); "
                 f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
                 f"{dtype}, {device}")
 

@@ -1,0 +1,299 @@
+"""Tests of the ``vegas`` command (``vegas_ext.cli``) and of model/document loading.
+
+Fast tests use a tiny random-weight Llama model with a word-level tokenizer trained here on a
+few sentences, saved to a temporary folder: no downloads, seconds to run. The ``slow`` tests use
+the embedded SmolLM2 GGUF (converted once, then cached) and the embedded document.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vegas_ext import cli, documents, models
+
+WORDS = ("the a of and to in is was it that he she they we you his her said mr mrs miss "
+         "bennet darcy bingley elizabeth jane house ball letter sister family fortune man "
+         "woman good great very much more one two three day night long time love pride").split()
+TEXT = " ".join(WORDS) + " . , ! ?"
+
+
+def _make_tokenizer(folder):
+    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(tmodels.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
+    tk.train_from_iterator([TEXT] * 3, trainers.WordLevelTrainer(special_tokens=specials, min_frequency=1))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(folder)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama (2 layers, hidden 64, 64 positions) + word-level tokenizer saved to a folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = str(tmp_path_factory.mktemp("tiny-llama"))
+    tok = _make_tokenizer(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, initializer_range=0.15)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def run_cli(argv, capsys):
+    """Runs ``vegas`` in-process; returns (exit status, stdout, stderr)."""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _assert_one_line_error(rc, out, err):
+    assert rc not in (0, None), (rc, out, err)
+    assert "Traceback" not in err
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    errors = [l for l in lines if "error" in l]
+    # one error line, last; at most an informational "loaded ..." line before it
+    assert len(errors) == 1 and lines[-1] == errors[0] and lines[-1].startswith("vegas: error:"), err
+    assert len(lines) <= 2, err
+    return errors[0]
+
+
+# ------------------------------------------------------------------------------------ --json
+
+def test_json_output_fields(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
+                            "--max-new-tokens", "10", "--num-speculative-tokens", "3", "--block-size", "4",
+                            "--min-tokens", "4", "--ignore-eos", "--compare", "--json", "--no-progress"], capsys)
+    assert rc == 0, err
+    assert "Traceback" not in err
+    d = json.loads(out)  # exactly one JSON object on stdout
+    for key in ("prompt_token_ids", "token_ids", "text", "stats", "baseline_tokens_per_s", "speedup", "identical"):
+        assert key in d, key
+    assert len(d["prompt_token_ids"]) == len(d["token_ids"]) == len(d["text"]) == 1
+    assert len(d["token_ids"][0]) == 10  # --ignore-eos: every row runs to max_new_tokens
+    assert d["identical"] is True  # greedy Vegas == plain greedy HF generate
+    assert d["baseline_token_ids"] == d["token_ids"]
+    s = d["stats"]
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                "mean_acceptance_length", "draft_acceptance_rate", "num_generated_tokens", "tokens_per_s",
+                "time_total_s", "time_prefill_s", "time_draft_s", "time_verify_s", "time_select_s"):
+        assert key in s, key
+    assert s["num_generated_tokens"] == 10
+    assert len(s["num_accepted_tokens_per_pos"]) == 3
+    assert 1.0 <= s["mean_acceptance_length"] <= 4.0
+    assert d["speedup"] > 0 and d["baseline_tokens_per_s"] > 0
+
+
+def test_json_batch_of_prompts_and_repeat(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "pride",
+                            "--prompt", "the long letter of mr darcy to elizabeth was very long",
+                            "--batch-size", "3", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
+                            "--compare", "--json", "--no-progress", "--ignore-eos"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert len(d["token_ids"]) == 3 and len(d["prompt_token_ids"]) == 3
+    assert d["prompt_token_ids"][0] == d["prompt_token_ids"][2] != d["prompt_token_ids"][1]
+    assert all(len(r) == 6 for r in d["token_ids"])
+    assert d["identical"] is True
+
+
+def test_chat_and_full_algorithm(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the ball", "--chat",
+                            "--algorithm", "full", "--max-new-tokens", "4", "--json", "--no-progress"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    tok_dir = tiny_model_dir
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert d["prompt_token_ids"][0][0] == tok.convert_tokens_to_ids("<|user|>")
+    assert d["stats"]["num_drafts"] == 0
+
+
+def test_sampling_seeded_is_reproducible(tiny_model_dir, capsys):
+    argv = ["generate", "--model", tiny_model_dir, "--prompt", "the house", "--max-new-tokens", "8",
+            "--do-sample", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--seed", "7",
+            "--ignore-eos", "--json", "--no-progress"]
+    rc1, out1, err1 = run_cli(argv, capsys)
+    rc2, out2, _ = run_cli(argv, capsys)
+    assert rc1 == rc2 == 0, err1
+    assert json.loads(out1)["token_ids"] == json.loads(out2)["token_ids"]
+
+
+def test_human_output_text_to_stdout_stats_to_stderr(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the day",
+                            "--max-new-tokens", "5", "--compare", "--ignore-eos"], capsys)
+    assert rc == 0, err
+    assert out.strip()  # the text
+    assert "vegas stats" in err and "speedup" in err and "identical" in err
+    assert "mean accept" not in out
+
+
+def test_prompt_file(tiny_model_dir, tmp_path, capsys):
+    p = tmp_path / "prompt.txt"
+    p.write_text("mrs bennet and her family")
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt-file", str(p),
+                            "--max-new-tokens", "3", "--json", "--no-progress"], capsys)
+    assert rc == 0, err
+    assert len(json.loads(out)["token_ids"]) == 1
+
+
+# ------------------------------------------------------------------------------ bad input
+
+BAD = {
+    "missing_prompt_file": (["--prompt-file", "/nonexistent/prompt.txt"], "not found"),
+    "unknown_model_hub_id": (["--model", "no-such-org/no-such-model-xyz", "--prompt", "hi"], "unknown model"),
+    "missing_model_path": (["--model", "./no/such/folder", "--prompt", "hi"], "not found"),
+    "missing_gguf": (["--model", "/tmp/none-such.gguf", "--prompt", "hi"], "not found"),
+    "gamma_zero": (["--num-speculative-tokens", "0"], "num-speculative-tokens"),
+    "gamma_negative": (["--num-speculative-tokens", "-2"], "num-speculative-tokens"),
+    "ratio_zero": (["--ratio", "0"], "ratio"),
+    "ratio_above_one": (["--ratio", "1.5"], "ratio"),
+    "ratio_nan": (["--ratio", "nan"], "ratio"),
+    "batch_zero": (["--batch-size", "0"], "batch-size"),
+    "batch_not_int": (["--batch-size", "two"], "batch-size"),
+    "max_new_zero": (["--max-new-tokens", "0"], "max-new-tokens"),
+    "unknown_algorithm": (["--algorithm", "magic"], "algorithm"),
+    "bad_dtype": (["--dtype", "int3"], "dtype"),
+    "bad_top_p": (["--do-sample", "--top-p", "0"], "top-p"),
+    "unknown_flag": (["--frobnicate"], "unrecognized"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_one_line_error(name, tiny_model_dir, capsys):
+    extra, needle = BAD[name]
+    argv = ["generate"] + extra
+    if "--model" not in extra:
+        argv += ["--model", tiny_model_dir]
+    if "--prompt" not in extra and "--prompt-file" not in extra:
+        argv += ["--prompt", "hello there"]
+    rc, out, err = run_cli(argv, capsys)
+    line = _assert_one_line_error(rc, out, err)
+    assert needle in line, line
+    assert out == ""
+
+
+def test_prompt_longer_than_positions(tiny_model_dir, capsys):
+    long_prompt = " ".join(WORDS * 3)  # > 64 tokens
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", long_prompt], capsys)
+    line = _assert_one_line_error(rc, out, err)
+    assert "positions" in line
+
+
+def test_max_new_tokens_clamped_to_positions(tiny_model_dir, capsys):
+    prompt = " ".join(WORDS[:50])  # 50 tokens of 64 positions
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", prompt, "--max-new-tokens", "40",
+                            "--ignore-eos", "--json", "--no-progress"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert len(d["prompt_token_ids"][0]) + len(d["token_ids"][0]) <= 64
+
+
+def test_no_subcommand_prints_help(capsys):
+    rc, out, err = run_cli([], capsys)
+    assert rc == 2 and "generate" in err
+
+
+def test_console_entry_point_subprocess(tmp_path):
+    """The real process: exit status 2, one line on stderr, no traceback (validation precedes model load)."""
+    env = dict(os.environ, VEGAS_CACHE_DIR=str(tmp_path))
+    for extra in (["--ratio", "0"],):
+        r = subprocess.run([sys.executable, "-m", "vegas_ext", "generate", *extra], capture_output=True,
+                           text=True, env=env, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("vegas: error:"), r.stderr
+        assert r.stdout == ""
+
+
+# ------------------------------------------------------------------------- models / documents
+
+def test_load_model_folder_sets_padding(tiny_model_dir):
+    m, tok = models.load_model(tiny_model_dir)
+    assert tok.padding_side == "left" and tok.pad_token_id is not None
+    assert not m.training and m.dtype == torch.float32
+    assert models.last_load_info["how"] == "folder"
+    m16, _ = models.load_model(tiny_model_dir, dtype="bfloat16")
+    assert m16.dtype == torch.bfloat16
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        models.load_model(str(tmp_path / "x.gguf"))
+    with pytest.raises(ValueError, match="config.json"):
+        models.load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown model"):
+        models.load_model("nobody/nothing-here-123")
+    with pytest.raises(ValueError, match="dtype"):
+        models.parse_dtype("float8")
+
+
+def test_gguf_cache_path_uses_env(tmp_path, monkeypatch):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x" * 10)
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    p = models.gguf_cache_path(str(f))
+    assert p.startswith(str(tmp_path / "cache")) and os.path.basename(p).startswith("m-")
+    f.write_bytes(b"x" * 11)
+    assert models.gguf_cache_path(str(f)) != p  # size/mtime change -> new entry
+
+
+def test_documents_exact_prompt_lengths(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert set(documents.list_documents()) >= {"pride_and_prejudice", "kjv", "python_docs"}
+    for name in documents.list_documents():
+        text = documents.load_document(name)
+        assert len(text) > 100_000, name
+        for n in (40, 80):
+            assert len(documents.make_prompt_ids(tok, name, n)) == n
+            assert len(documents.make_prompt_ids(tok, name, n, chat=True)) == n
+    assert documents.default_prompt().rstrip().endswith(documents.default_instruction())
+    with pytest.raises(ValueError):
+        documents.load_document("nope")
+
+
+# ------------------------------------------------------------------------------- slow: real
+
+@pytest.mark.slow
+def test_embedded_model_loads_from_cache_and_default_document_is_long():
+    path = models.default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    m, tok = models.load_model()  # converts once (~20 s) if the cache is cold
+    m2, _ = models.load_model()
+    assert models.last_load_info["how"] == "cache"
+    assert type(m).__name__ == "LlamaForCausalLM" and m.config.max_position_embeddings == 8192
+    n = len(tok(documents.default_prompt()).input_ids)
+    assert 6000 <= n < 8192 - 512, n
+    for name in documents.list_documents():
+        assert len(documents.make_prompt_ids(tok, name, 8000)) == 8000
+
+
+@pytest.mark.slow
+def test_default_run_is_identical_to_hf(capsys):
+    """`vegas generate --compare` on the embedded model and document: lossless."""
+    rc, out, err = run_cli(["generate", "--max-new-tokens", "8", "--chat", "--compare", "--json",
+                            "--no-progress"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert len(d["prompt_token_ids"][0]) > 6000
+    assert d["identical"] is True
