@@ -66,10 +66,13 @@ class GenerateOutput:
         sequences: ``[B, T + new]`` int64: the prompt exactly as given (left padding kept) followed by
             the new tokens; rows that finished early are padded with ``pad_token_id`` (HF-style).
         stats: counters (vLLM names), timings and the configuration used; see :func:`generate`.
+        cache: the :class:`~vegas_ext.cache.VegasCache` after the call (only with
+            ``return_cache=True``): per row, ``lengths[b]`` = prompt + new tokens - 1 valid K/V.
     """
 
     sequences: Tensor
     stats: dict = field(default_factory=dict)
+    cache: Optional[VegasCache] = None
 
 
 # =========================================================================== selection strategies
@@ -327,6 +330,7 @@ def generate(
     pad_token_id: Optional[int] = None,
     streamer=None,
     generator: Optional[torch.Generator] = None,
+    return_cache: bool = False,
 ) -> GenerateOutput:
     """Generate with Vegas self-speculative decoding (arXiv 2602.07223) on a HF causal LM.
 
@@ -366,6 +370,7 @@ def generate(
             EOS, else 0.
         streamer: a HF streamer (``put`` / ``end``); batch size 1 only.
         generator: ``torch.Generator`` for reproducible sampling.
+        return_cache: also return the KV cache (inspection, tests).
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
@@ -691,7 +696,7 @@ def generate(
     stats.update(config_used)
     stats["num_speculative_tokens"] = gamma
     _finish_stats(stats, t_total, gamma, B)
-    return GenerateOutput(sequences=sequences, stats=stats)
+    return GenerateOutput(sequences=sequences, stats=stats, cache=cache if return_cache else None)
 
 
 def _finish_stats(stats: dict, t_total: float, gamma: int, B: int = 0) -> None:
