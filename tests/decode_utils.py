@@ -108,3 +108,16 @@ def first_diff(a, b):
         return "equal"
     r, c = d[0].tolist()
     return f"row {r} col {c}: {a[r, max(0, c - 3): c + 4].tolist()} vs {b[r, max(0, c - 3): c + 4].tolist()}"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared, busy machine every OpenMP barrier of
+    a tiny op can wait a scheduler quantum; run them single-threaded and restore afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

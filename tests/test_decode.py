@@ -17,7 +17,9 @@ from vegas_ext.decode import (
     budget_blocks,
 )
 
-from decode_utils import FAMILIES, cached_model, first_diff, hf_greedy, make_model, make_prompts
+from decode_utils import FAMILIES, cached_model, first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # sparse enough on ~300-token prompts that drafts are approximate: 32 tokens = 4 blocks of 8
 SPARSE = dict(sparse_attn_ratio=0.05, sparse_attn_min_tokens=32, block_size=8)
