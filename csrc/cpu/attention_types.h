@@ -20,8 +20,8 @@ struct Rows {
 
 // Scratch for one task (sizes for R rows, head_dim D).
 struct Scratch {
-  float* kT;     // [D, kTile]  K tile, transposed, fp32
-  float* vt;     // [kTile, D]  V tile, fp32
+  float* kt;     // [kTile, D]  K tile converted to fp32 (bf16 / fp16 caches only)
+  float* vt;     // [kTile, D]  V tile converted to fp32 (bf16 / fp16 caches only)
   float* s;      // [R, kTile]  scores, then probabilities
   int64_t* tok;  // [kTile]     token index of each tile column
   int32_t* bo;   // [kTile]     block of each tile column, relative to BlockSums::block0
