@@ -33,4 +33,10 @@ TORCH_LIBRARY(vegas, m) {
   m.def(
       "sparse_draft_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_indices, "
       "Tensor tail_start, Tensor seq_lens, int block_size, float scale) -> Tensor");
+  // Quest (arXiv 2406.10774), the query-aware rival selection: per-block key-wise min / max
+  // kept up to date in place, and the upper bound of q.k per block from them.
+  m.def(
+      "block_minmax_update(Tensor(a!) key_min, Tensor(b!) key_max, Tensor k_cache, "
+      "Tensor seq_lens, Tensor start, int block_size) -> ()");
+  m.def("quest_block_scores(Tensor q, Tensor key_min, Tensor key_max, Tensor num_blocks) -> Tensor");
 }

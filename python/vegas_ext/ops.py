@@ -34,6 +34,8 @@ __all__ = [
     "verify_attention",
     "block_topk",
     "sparse_draft_attention",
+    "block_minmax_update",
+    "quest_block_scores",
     "has_compiled_kernel",
     "set_cuda_kernels_enabled",
     "EXTENSION_LOADED",
@@ -63,6 +65,11 @@ except ImportError as _e:  # pragma: no cover - exercised only without a build
         "sparse_draft_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_indices, "
         "Tensor tail_start, Tensor seq_lens, int block_size, float scale) -> Tensor"
     )
+    _lib.define(
+        "block_minmax_update(Tensor(a!) key_min, Tensor(b!) key_max, Tensor k_cache, "
+        "Tensor seq_lens, Tensor start, int block_size) -> ()"
+    )
+    _lib.define("quest_block_scores(Tensor q, Tensor key_min, Tensor key_max, Tensor num_blocks) -> Tensor")
 
 _CUDA_ENABLED = os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1"
 
@@ -84,7 +91,7 @@ def has_compiled_kernel(op: str, device_type: str) -> bool:
 # Looked up once, so the wrappers stay traceable by torch.compile (a dict read).
 _COMPILED = {
     (op, dev): has_compiled_kernel(op, dev)
-    for op in ("verify_attention", "block_topk", "sparse_draft_attention")
+    for op in ("verify_attention", "block_topk", "sparse_draft_attention", "block_minmax_update", "quest_block_scores")
     for dev in ("cpu", "cuda")
 }
 
@@ -362,12 +369,73 @@ def _draft_fake(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_
 
 
 # ---------------------------------------------------------------------------
+# Quest selection ops (the rival algorithm of issue "rival selection algorithms")
+# ---------------------------------------------------------------------------
+def block_minmax_update(
+    key_min: Tensor, key_max: Tensor, k_cache: Tensor, seq_lens: Tensor, start: Tensor, block_size: int
+) -> None:
+    """Recompute, in place, the key-wise min / max of the KV blocks that changed.
+
+    Quest's per-page metadata (Tang et al., "Quest: Query-Aware Sparsity for Efficient
+    Long-Context LLM Inference", arXiv 2406.10774), kept current as tokens are appended or
+    rolled back: for each row b, blocks ``[start[b] // block_size, ceil(seq_lens[b] / block_size))``
+    are recomputed from their valid tokens ``[j*block_size, min((j+1)*block_size, seq_lens[b]))``.
+
+    Args:
+        key_min, key_max: ``[B, H_kv, ceil(S / block_size), D]`` contiguous, one dtype among
+            float32/bfloat16/float16 (written in place).
+        k_cache: ``[B, H_kv, S, D]``.
+        seq_lens: ``[B]`` int32 in ``[0, S]``.  start: ``[B]`` int32 ``>= 0``, first changed token.
+        block_size: tokens per block, ``>= 1``.
+
+    Raises:
+        RuntimeError / ValueError naming the argument on bad shapes, dtypes, devices or values.
+    """
+    torch.ops.vegas.block_minmax_update(key_min, key_max, k_cache, seq_lens, start, block_size)
+
+
+def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: Tensor) -> Tensor:
+    """Quest's query-aware block scores: an upper bound of ``q . k`` over each block.
+
+    ``score[b, g, j] = sum_{queries i} sum_{query heads h of group g} sum_d max(q_d * key_max_d,
+    q_d * key_min_d)`` for ``j < num_blocks[b]``, ``-inf`` beyond (Quest, arXiv 2406.10774, with
+    the query heads of a GQA group summed so one selection serves the KV head).
+
+    Args:
+        q: ``[B, Q, H_q, D]`` float32/bfloat16/float16.
+        key_min, key_max: ``[B, H_kv, N, D]``, see :func:`block_minmax_update`.
+        num_blocks: ``[B]`` int32, blocks scored per row.
+
+    Returns:
+        ``[B, H_kv, N]`` float32 (feed to :func:`block_topk`).
+
+    Raises:
+        RuntimeError / ValueError naming the argument on bad shapes, dtypes or devices.
+    """
+    return torch.ops.vegas.quest_block_scores(q, key_min, key_max, num_blocks)
+
+
+@torch.library.register_fake("vegas::block_minmax_update")
+def _minmax_fake(key_min, key_max, k_cache, seq_lens, start, block_size):
+    return None
+
+
+@torch.library.register_fake("vegas::quest_block_scores")
+def _quest_fake(q, key_min, key_max, num_blocks):
+    if q.dim() != 4 or key_min.dim() != 4:
+        _fail("quest_block_scores", "q must be [B, Q, H_q, D] and key_min [B, H_kv, N, D]")
+    return q.new_empty((q.shape[0], key_min.shape[1], key_min.shape[2]), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------
 # reference fallback where no compiled kernel serves a device
 # ---------------------------------------------------------------------------
 _FALLBACKS = {
     "verify_attention": _verify_fallback,
     "block_topk": _topk_fallback,
     "sparse_draft_attention": _draft_fallback,
+    "block_minmax_update": reference.block_minmax_update,
+    "quest_block_scores": reference.quest_block_scores,
 }
 
 
@@ -387,3 +455,5 @@ def _make_dispatching(name, compiled, fallback):
 verify_attention = _make_dispatching("verify_attention", verify_attention, _verify_fallback)
 block_topk = _make_dispatching("block_topk", block_topk, _topk_fallback)
 sparse_draft_attention = _make_dispatching("sparse_draft_attention", sparse_draft_attention, _draft_fallback)
+block_minmax_update = _make_dispatching("block_minmax_update", block_minmax_update, reference.block_minmax_update)
+quest_block_scores = _make_dispatching("quest_block_scores", quest_block_scores, reference.quest_block_scores)

@@ -24,6 +24,8 @@ __all__ = [
     "masked_attention",
     "causal_allowed_mask",
     "draft_allowed_mask",
+    "block_minmax_update",
+    "quest_block_scores",
 ]
 
 
@@ -166,3 +168,31 @@ def draft_allowed_mask(
     in_tail = t.view(1, S) >= tail_start.long().view(B, 1)  # [B, S]
     allowed = (tok_sel.unsqueeze(2) | in_tail.view(B, 1, 1, S)) & causal.unsqueeze(1)  # [B,Hkv,Q,S]
     return allowed.repeat_interleave(group, dim=1)  # [B, Hq, Q, S]
+
+
+def block_minmax_update(
+    key_min: Tensor, key_max: Tensor, k_cache: Tensor, seq_lens: Tensor, start: Tensor, block_size: int
+) -> None:
+    """Reference of :func:`vegas_ext.ops.block_minmax_update` (in place, same contract)."""
+    B, Hkv, S, D = k_cache.shape
+    N = key_min.shape[2]
+    for b in range(B):
+        L = int(seq_lens[b])
+        j0, j1 = int(start[b]) // block_size, min(N, -(-L // block_size))
+        for j in range(j0, j1):
+            blk = k_cache[b, :, j * block_size : min((j + 1) * block_size, L)].float()  # [Hkv, n, D]
+            key_min[b, :, j] = blk.amin(dim=1).to(key_min.dtype)
+            key_max[b, :, j] = blk.amax(dim=1).to(key_max.dtype)
+
+
+def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: Tensor) -> Tensor:
+    """Reference of :func:`vegas_ext.ops.quest_block_scores` (same contract)."""
+    B, Q, Hq, D = q.shape
+    Hkv, N = key_min.shape[1], key_min.shape[2]
+    G = Hq // Hkv
+    qf = q.float().view(B, Q, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, Q * G, 1, D)
+    mx = key_max.float().unsqueeze(2)  # [B, Hkv, 1, N, D]
+    mn = key_min.float().unsqueeze(2)
+    s = torch.maximum(qf * mx, qf * mn).sum(-1).sum(2)  # [B, Hkv, N]
+    valid = torch.arange(N, device=q.device).view(1, 1, N) < num_blocks.long().view(B, 1, 1)
+    return torch.where(valid, s, torch.full_like(s, float("-inf")))
