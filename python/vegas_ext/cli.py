@@ -286,7 +286,8 @@ def _run_hf(model, ids, mask, max_new_tokens, eos, pad_id, progress: bool):
     from transformers import GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-                          num_beams=1, eos_token_id=(eos or None), pad_token_id=pad_id)
+                          num_beams=1, eos_token_id=list(eos), pad_token_id=pad_id)  # [] = never stop (None would
+    # fall back to the model's generation_config)
     st = ProgressStreamer(ids.shape[0], max_new_tokens, "HF generate (baseline)", show=progress)
     t0 = time.perf_counter()
     st.t_start = t0

@@ -1,0 +1,420 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark: HF ``generate`` vs our ``"full"`` loop vs ``"vegas"`` on real long documents.
+
+One process loads the model once, builds prompts of exactly the requested token counts from real
+documents (the document's start, then an instruction; batch rows start at different places of
+the document), and for every cell (document x context x batch size) runs each algorithm
+configuration ``--repeats`` times, interleaved (hf, full, vegas configs, hf, full, ...), after a
+warm-up. Every run is greedy with EOS ignored, so all produce exactly ``--max-new-tokens``
+tokens per row and can be compared token for token with plain greedy decoding.
+
+Writes into ``bench/results/<name>/`` (or ``--out``):
+
+* ``runs.jsonl``: one JSON object per run (configuration, versions, commit, acceptance stats,
+  tokens/s, speedups vs ``full`` and vs HF from the same repeat, time split, identical flag);
+* ``summary.md``: a Markdown table of medians per cell and configuration (also printed);
+* ``config.json``: the command line and the environment.
+
+Examples::
+
+    python bench/e2e.py                                         # the issue's grid (slow on CPU)
+    python bench/e2e.py --docs kjv --context-lengths 512 --batch-sizes 1 \\
+        --max-new-tokens 8 --repeats 1 --out bench/results/tmp/smoke   # smoke run
+
+Metrics: ``decode_tokens_per_s`` = new tokens after each row's first / (total - prefill) time,
+the number the issue's targets are about; ``tokens_per_s`` includes prefill. HF's prefill time is
+taken from its streamer (time of the first new token).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))  # run from a checkout without installing, too
+
+import torch  # noqa: E402
+
+from vegas_ext import documents, models  # noqa: E402
+
+DEFAULT_DOCS = "pride_and_prejudice,kjv"
+DEFAULT_CONTEXTS = "2048,4096,8192"
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def _csv(type_):
+    def parse(s: str):
+        out = []
+        for x in s.split(","):
+            x = x.strip()
+            if not x:
+                continue
+            if type_ is int and x.lower().endswith("k"):
+                out.append(int(float(x[:-1]) * 1024))
+            else:
+                out.append(type_(x))
+        if not out:
+            raise argparse.ArgumentTypeError("empty list")
+        return out
+    return parse
+
+
+def git_commit() -> Dict[str, Any]:
+    """The checkout's commit and whether tracked files differ from it."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return {"git_commit": sha or None, "git_dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+
+
+def environment(device: torch.device) -> Dict[str, Any]:
+    """Versions and machine facts recorded with every run."""
+    import transformers
+
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()),
+        "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import vegas_ext
+
+        env["vegas_ext"] = vegas_ext.__version__
+        env["cpu_kernels"] = bool(vegas_ext.ops.has_compiled_kernel("verify_attention", "cpu"))
+        env["cuda_kernels"] = bool(vegas_ext.ops.has_compiled_kernel("verify_attention", "cuda"))
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    env.update(git_commit())
+    return env
+
+
+def build_batch(tok, doc: str, context: int, batch: int, chat: bool):
+    """``[batch, context]`` prompt ids: row ``i`` starts ``i/batch`` of the way into the document
+    (at a paragraph start), cut to exactly ``context`` tokens including the instruction."""
+    text = documents.load_document(doc)
+    instr = documents.INSTRUCTIONS[doc]
+    rows = []
+    for i in range(batch):
+        start = 0
+        if i:
+            start = text.find("\n\n", i * len(text) // (batch + 1))
+            start = 0 if start < 0 else start + 2
+        rows.append(documents.make_prompt_ids(tok, text[start:], context, instruction=instr, chat=chat))
+    ids = torch.tensor(rows, dtype=torch.long)
+    return ids, torch.ones_like(ids)
+
+
+class _Clock:
+    """HF streamer that records when the first new token arrives (end of prefill)."""
+
+    def __init__(self):
+        self.n_put = 0
+        self.t_first: Optional[float] = None
+
+    def put(self, value):
+        self.n_put += 1
+        if self.n_put == 2:
+            self.t_first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_hf(model, ids, mask, max_new: int, pad_id: int) -> Dict[str, Any]:
+    """Plain greedy HF ``generate`` (EOS ignored); returns tokens and timings."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1,
+                          eos_token_id=[], pad_token_id=pad_id)
+    clock = _Clock()
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock)
+    _sync(ids.device)
+    t1 = time.perf_counter()
+    B, T = ids.shape
+    new = out[:, T:]
+    n = new.numel()
+    prefill = (clock.t_first - t0) if clock.t_first else None
+    dec_t = (t1 - clock.t_first) if clock.t_first else None
+    return {
+        "tokens": new.tolist(),
+        "stats": {
+            "num_generated_tokens": n,
+            "time_total_s": t1 - t0,
+            "time_prefill_s": prefill,
+            "tokens_per_s": n / (t1 - t0),
+            "decode_tokens_per_s": ((n - B) / dec_t) if dec_t and n > B else None,
+            "num_iterations": new.shape[1] - 1,  # steps after prefill
+        },
+    }
+
+
+def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma: int, ratio: float,
+             block_size: int, extra: Dict[str, Any]) -> Dict[str, Any]:
+    """Our decode loop (``vegas_ext.generate``), greedy, EOS ignored."""
+    from vegas_ext.decode import generate
+
+    _sync(ids.device)
+    with torch.inference_mode():
+        out = generate(model, ids, mask, max_new_tokens=max_new, num_speculative_tokens=gamma,
+                       sparse_attn_algorithm=algorithm, sparse_attn_ratio=ratio, block_size=block_size,
+                       eos_token_id=[], pad_token_id=pad_id, **extra)
+    _sync(ids.device)
+    T = ids.shape[1]
+    return {"tokens": out.sequences[:, T:].tolist(), "stats": dict(out.stats)}
+
+
+def _num(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return x
+
+
+# ------------------------------------------------------------------------------------ main
+
+def parse_args(argv=None):
+    """Command line of the benchmark (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M-Instruct GGUF)")
+    ap.add_argument("--docs", type=_csv(str), default=_csv(str)(DEFAULT_DOCS),
+                    help=f"documents, from {documents.list_documents()} (default {DEFAULT_DOCS})")
+    ap.add_argument("--context-lengths", type=_csv(int), default=_csv(int)(DEFAULT_CONTEXTS),
+                    help="prompt lengths in tokens, e.g. 2048,4096,8k; clamped so prompt + new tokens fit "
+                         f"the model's positions (default {DEFAULT_CONTEXTS})")
+    ap.add_argument("--batch-sizes", type=_csv(int), default=[1, 4], help="default 1,4")
+    ap.add_argument("--algorithms", type=_csv(str), default=["hf", "full", "vegas"],
+                    help="hf (HF generate), full, vegas, or any registered selection algorithm (default hf,full,vegas)")
+    ap.add_argument("--num-speculative-tokens", type=_csv(int), default=[6], help="gamma values for sparse algorithms (default 6)")
+    ap.add_argument("--ratios", type=_csv(float), default=[0.05], help="KV budget ratios (default 0.05)")
+    ap.add_argument("--block-sizes", type=_csv(int), default=[16], help="block sizes (default 16)")
+    ap.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens (default 256)")
+    ap.add_argument("--share-selection", action="store_true", help="share_selection_across_heads=True")
+    ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per row (default 64)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration and cell (default 2)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--name", default=None, help="results folder name under bench/results (default e2e-<timestamp>)")
+    ap.add_argument("--out", default=None, help="results folder (overrides --name)")
+    args = ap.parse_args(argv)
+    for d in args.docs:
+        if d not in documents.list_documents():
+            ap.error(f"unknown document {d!r}; choose from {documents.list_documents()}")
+    if args.max_new_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or min(args.context_lengths) < 8:
+        ap.error("--max-new-tokens, --repeats, --batch-sizes must be >= 1 and contexts >= 8")
+    return args
+
+
+def configurations(args) -> List[Dict[str, Any]]:
+    """Algorithm configurations of one cell, in run order (baselines first)."""
+    cfgs = []
+    for a in args.algorithms:
+        if a in ("hf", "full"):
+            cfgs.append({"algorithm": a, "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None})
+    for a in args.algorithms:
+        if a in ("hf", "full"):
+            continue
+        for g in args.num_speculative_tokens:
+            for r in args.ratios:
+                for bs in args.block_sizes:
+                    cfgs.append({"algorithm": a, "num_speculative_tokens": g, "sparse_attn_ratio": r, "block_size": bs})
+    return cfgs
+
+
+def cfg_label(c: Dict[str, Any]) -> str:
+    """Short label of a configuration, e.g. ``vegas g6 r0.05 b16``."""
+    if c["algorithm"] in ("hf", "full"):
+        return c["algorithm"]
+    return f"{c['algorithm']} g{c['num_speculative_tokens']} r{c['sparse_attn_ratio']:g} b{c['block_size']}"
+
+
+def main(argv=None) -> int:
+    """Runs the benchmark; returns 0."""
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype = models.parse_dtype(args.dtype)
+
+    name = args.name or datetime.datetime.now().strftime("e2e-%Y%m%d-%H%M%S")
+    out_dir = args.out or os.path.join(ROOT, "bench", "results", name)
+    os.makedirs(out_dir, exist_ok=True)
+
+    t0 = time.perf_counter()
+    model, tok = models.load_model(args.model, dtype=dtype, device=device)
+    load_s = time.perf_counter() - t0
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    env = environment(device)
+    model_name = args.model or "embedded:SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({"argv": sys.argv if argv is None else list(argv), "args": vars(args), "model": model_name,
+                   "model_load_s": load_s, "model_load": dict(models.last_load_info), **env}, f, indent=1)
+
+    cfgs = configurations(args)
+    extra = {"sparse_attn_min_tokens": args.min_tokens, "share_selection_across_heads": args.share_selection,
+             "query_weights": args.query_weights}
+
+    def run(c, ids, mask, max_new):
+        if c["algorithm"] == "hf":
+            return run_hf(model, ids, mask, max_new, pad_id)
+        g = c["num_speculative_tokens"] or 0
+        return run_ours(model, ids, mask, max_new, pad_id, c["algorithm"], g if c["algorithm"] != "full" else 0,
+                        c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16, extra)
+
+    if not args.no_warmup:  # first-call costs (allocator, lazy inits, thread pools) out of the numbers
+        w_ids, w_mask = build_batch(tok, args.docs[0], 64, 1, args.chat)
+        for c in cfgs:
+            run(c, w_ids.to(device), w_mask.to(device), 4)
+
+    cells = [(d, ctx, b) for ctx in args.context_lengths for b in args.batch_sizes for d in args.docs]
+    total = len(cells) * args.repeats * len(cfgs)
+    bar = tqdm(total=total, desc="e2e", unit="run", file=sys.stderr, dynamic_ncols=True)
+    records: List[Dict[str, Any]] = []
+    runs_path = os.path.join(out_dir, "runs.jsonl")
+    with open(runs_path, "a") as runs_f:
+        for doc, ctx_req, B in cells:
+            ctx = min(ctx_req, max_pos - args.max_new_tokens - max(args.num_speculative_tokens) - 1)
+            ids, mask = build_batch(tok, doc, ctx, B, args.chat)
+            ids, mask = ids.to(device), mask.to(device)
+            for rep in range(args.repeats):
+                # rotate the order every repeat so no configuration always runs first / last
+                order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]
+                results = {}
+                for c in order:
+                    bar.set_postfix_str(f"{doc} ctx={ctx} B={B} {cfg_label(c)}")
+                    results[cfg_label(c)] = (c, run(c, ids, mask, args.max_new_tokens))
+                    bar.update(1)
+                ref = results.get("hf") or results.get("full")
+                for label, (c, r) in results.items():
+                    s = r["stats"]
+                    rec = {
+                        "doc": doc, "context_requested": ctx_req, "context": ctx, "batch_size": B,
+                        "repeat": rep, "label": label, **c,
+                        "max_new_tokens": args.max_new_tokens, "dtype": str(dtype).replace("torch.", ""),
+                        "model": model_name, "chat": args.chat,
+                        "sparse_attn_min_tokens": args.min_tokens if c["algorithm"] not in ("hf", "full") else None,
+                        "share_selection_across_heads": args.share_selection if c["algorithm"] not in ("hf", "full") else None,
+                        "query_weights": args.query_weights if c["algorithm"] not in ("hf", "full") else None,
+                        "mean_acceptance_length": s.get("mean_acceptance_length"),
+                        "draft_acceptance_rate": s.get("draft_acceptance_rate"),
+                        "num_accepted_tokens_per_pos": _num(s.get("num_accepted_tokens_per_pos")),
+                        "num_drafts": s.get("num_drafts"), "num_draft_tokens": s.get("num_draft_tokens"),
+                        "num_accepted_tokens": s.get("num_accepted_tokens"),
+                        "num_generated_tokens": s.get("num_generated_tokens"),
+                        "num_iterations": s.get("num_iterations"),
+                        "tokens_per_s": s.get("tokens_per_s"),
+                        "decode_tokens_per_s": s.get("decode_tokens_per_s"),
+                        "time_total_s": s.get("time_total_s"), "time_prefill_s": s.get("time_prefill_s"),
+                        "time_draft_s": s.get("time_draft_s"), "time_verify_s": s.get("time_verify_s"),
+                        "time_select_s": s.get("time_select_s"),
+                        "ms_per_iteration": (1000 * (s["time_total_s"] - (s.get("time_prefill_s") or 0)) / s["num_iterations"]
+                                             if s.get("num_iterations") else None),
+                        "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
+                        "plain_reference": "hf" if "hf" in results else ("full" if "full" in results else None),
+                        **env,
+                    }
+                    for base in ("full", "hf"):
+                        b = results.get(base)
+                        bd = b[1]["stats"].get("decode_tokens_per_s") if b else None
+                        be = b[1]["stats"].get("tokens_per_s") if b else None
+                        rec[f"speedup_vs_{base}"] = (s["decode_tokens_per_s"] / bd) if bd and s.get("decode_tokens_per_s") else None
+                        rec[f"e2e_speedup_vs_{base}"] = (s["tokens_per_s"] / be) if be and s.get("tokens_per_s") else None
+                    records.append(rec)
+                    runs_f.write(json.dumps(rec) + "\n")
+                runs_f.flush()
+    bar.close()
+
+    md = summary_markdown(records, args, env, model_name)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(md)
+    print(md)
+    print(f"results: {runs_path}, {os.path.join(out_dir, 'summary.md')}", file=sys.stderr)
+    return 0
+
+
+def _med(xs):
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return statistics.median(xs) if xs else None
+
+
+def _f(x, fmt="{:.2f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], model_name: str) -> str:
+    """Markdown table: medians over repeats per (document, context, batch, configuration)."""
+    lines = [
+        f"# End-to-end decoding benchmark",
+        "",
+        f"Model {model_name}, {args.dtype}, {env['device']} ({env.get('device_name')}, {env.get('num_threads')} threads); "
+        f"torch {env['torch']}, transformers {env['transformers']}; commit {str(env.get('git_commit'))[:10]}"
+        f"{' (dirty)' if env.get('git_dirty') else ''}; {args.max_new_tokens} new tokens per row, greedy, EOS ignored; "
+        f"medians of {args.repeats} interleaved repeat(s).",
+        "",
+        "decode tok/s = tokens after each row's first / time after prefill (all rows); e2e includes prefill. "
+        "Speedups are decode tok/s ratios against the same repeat's run. MAL = mean acceptance length "
+        "(1 + accepted / drafts); DAR = draft acceptance rate.",
+        "",
+        "| doc | ctx | B | config | decode tok/s | e2e tok/s | ms/iter | vs full | vs HF | MAL | DAR | prefill / draft / verify / select s | identical |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    keys = []
+    for r in records:
+        k = (r["doc"], r["context"], r["batch_size"], r["label"])
+        if k not in keys:
+            keys.append(k)
+    for k in keys:
+        rs = [r for r in records if (r["doc"], r["context"], r["batch_size"], r["label"]) == k]
+        g = lambda f: _med([r.get(f) for r in rs])  # noqa: E731
+        if k[3] in ("hf", "full"):  # no drafts: acceptance stats do not apply
+            g0 = g
+            g = lambda f: None if f in ("mean_acceptance_length", "draft_acceptance_rate") else g0(f)  # noqa: E731
+        ident = all(r.get("identical_to_plain") for r in rs) if rs[0].get("identical_to_plain") is not None else None
+        split = " / ".join(_f(g(f)) for f in ("time_prefill_s", "time_draft_s", "time_verify_s", "time_select_s"))
+        lines.append(
+            f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {_f(g('decode_tokens_per_s'))} | {_f(g('tokens_per_s'))} | "
+            f"{_f(g('ms_per_iteration'), '{:.0f}')} | {_f(g('speedup_vs_full'))} | {_f(g('speedup_vs_hf'))} | "
+            f"{_f(g('mean_acceptance_length'))} | {_f(g('draft_acceptance_rate'))} | {split} | "
+            f"{'–' if ident is None else ('yes' if ident else '**no**')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
