@@ -344,3 +344,17 @@ def test_registry_has_builtin_algorithms():
     assert {"vegas", "full"} <= set(SELECTION_ALGORITHMS)
     assert SELECTION_ALGORITHMS["full"].drafts is False
     assert SELECTION_ALGORITHMS["vegas"].needs_verify_scores
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs(dtype):
+    model = make_model("qwen3").to(dtype)
+    ids, mask = make_prompts(model.config.vocab_size, [120, 77], seed=9)
+    out = _gen(model, ids, mask, max_new_tokens=12, num_speculative_tokens=4, sparse_attn_min_tokens=16, block_size=8)
+    assert out.sequences.shape == (2, 120 + 12)
+    assert out.stats["dtype"] == str(dtype).replace("torch.", "")
+    new = out.sequences[:, 120:]
+    assert bool(((new >= 0) & (new < model.config.vocab_size)).all())
+    plain = _gen(model, ids, mask, max_new_tokens=12, sparse_attn_algorithm="full")
+    # the same numerics path decides the first token (prefill + verify of the prompt tail)
+    assert torch.equal(out.sequences[:, 120], plain.sequences[:, 120])
