@@ -511,7 +511,7 @@ def cmd_generate(args) -> int:
         )
 
     if args.json:
-        print(json.dumps(_jsonable(result)))
+        print(json.dumps(_jsonable(result), default=str))
         return 0
 
     if not stream_text:
