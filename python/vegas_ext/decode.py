@@ -389,10 +389,26 @@ def generate(
             empty prompt, a prompt longer than the model's positions, and out-of-range options
             (``gamma < 0``, ratio outside ``(0, 1]``, ``block_size < 1``, ...).
 
-    Defaults (measured on SmolLM2-135M, fp32, CPU, ~4K-token prompts; see the project notes):
-        ``gamma = 6`` and ``ratio = 0.05`` / ``min_tokens = 256`` as in the paper's setup;
-        ``block_size = 16`` keeps selection cheap (scores reduced per block inside the kernel) while
-        the budget still covers the needed tokens; per-KV-head selection.
+    Defaults, and why (SmolLM2-135M-Instruct, fp32, CPU, 1 thread; ``bench/decode_defaults.py``
+    and ``bench/decode_step_costs.py``):
+
+    * ``sparse_attn_ratio=0.05``, ``sparse_attn_min_tokens=256``, ``block_size=16``: on a 4K-token
+      real-text prompt (greedy, gamma 8) the per-position acceptance was 1.0, 1.0, .71, .71, .57, .57,
+      .57, .57 (mean acceptance length 6.7 of 9); a 64-token floor dropped it to 5.9, a 10 % budget or
+      token granularity (``block_size=1``) did not raise it, 64-token blocks dropped it to 5.9. A draft
+      step costs about the same for any of these budgets (weights dominate: 57-60 ms at 2K-8K, batch
+      1), so the paper's 5 % / 256 is kept; 16-token blocks keep the selection cheap (one
+      ``block_topk`` over all layers: 0.6-2.9 ms, under 1 % of an iteration).
+    * ``num_speculative_tokens=6`` (the paper's setting): the cost model ``tau * t_plain / (gamma *
+      t_draft + t_verify + t_select)`` from measured step costs puts gamma 3-6 within ~5 % of each other
+      at 8K; 6 keeps more of the gain where acceptance is high. Where it pays: plain step / draft step
+      / verify(7) = 365 / 104 / 699 ms at 8K, batch 4 (predicted 1.5x our ``"full"``, 2.7x HF
+      ``generate``, whose step is 642 ms); at 2K, batch 1 (79 / 60 / 146 ms) self-speculation cannot
+      win on CPU: a small model's draft step reads all the weights like a plain step, and verifying
+      7 tokens costs ~2 plain steps (small-M GEMMs are compute-bound here). Use ``"full"`` there.
+    * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
+      (``query_weights="all"``): no worse than the authors' shared / first-and-last choices in these
+      runs, and per-head selection is what the kernels are built for.
     """
     # ----------------------------------------------------------------- validation
     if sparse_attn_algorithm not in SELECTION_ALGORITHMS:
