@@ -98,12 +98,17 @@ class SelectionContext:
         lengths: ``[B]`` int32 committed context length per row (budget base).
         tail_start: ``[B]`` int32 start of the next draft tail (the last verification window).
         cache: the :class:`VegasCache`.
+        previous: the indices the last round used (``None`` at the first selection), e.g. for a
+            refresh stride that keeps them.
+        iteration: decoding iterations done so far (0 after prefill).
     """
 
     block_scores: Optional[Tensor]
     lengths: Tensor
     tail_start: Tensor
     cache: VegasCache
+    previous: Optional[Tensor] = None
+    iteration: int = 0
 
 
 def budget_blocks(lengths: Tensor, cfg: SelectionConfig) -> Tensor:
@@ -143,10 +148,18 @@ class SelectionStrategy:
     def __init__(self, cfg: SelectionConfig):
         self.cfg = cfg
 
+    def setup(self, state: AttentionState) -> None:
+        """Called once per :func:`generate` call, after the cache and the attention state exist
+        (allocate per-call metadata here). Default: install :meth:`draft_hook`."""
+        state.draft_hook = self.draft_hook()
+
     def select(self, ctx: SelectionContext) -> Optional[Tensor]:
+        """``[L, B, H_kv, K]`` int32 block indices for the next draft round (``-1`` unused)."""
         raise NotImplementedError
 
     def draft_hook(self) -> Optional[Callable]:
+        """Optional per-layer chooser ``(layer, q, k_cache, v_cache) -> [B, H_kv, K]`` used at every
+        draft step instead of the indices from :meth:`select`."""
         return None
 
 
@@ -559,7 +572,7 @@ def generate(
             st.block_scores = torch.zeros(
                 (L_layers, B, cache.layers[0].num_heads, n_blocks), dtype=torch.float32, device=device
             )
-        st.draft_hook = strategy.draft_hook()
+        strategy.setup(st)
 
         def fwd(ids: Tensor, pos: Tensor, keep: int) -> Tensor:
             out = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep, **{cache_kw: cache})
@@ -610,7 +623,8 @@ def generate(
                 t0 = time.perf_counter()
                 st.tail_start = tail_start
                 ctx = SelectionContext(
-                    block_scores=st.block_scores, lengths=cache.lengths, tail_start=tail_start, cache=cache
+                    block_scores=st.block_scores, lengths=cache.lengths, tail_start=tail_start, cache=cache,
+                    previous=st.block_indices, iteration=stats["num_iterations"],
                 )
                 st.block_indices = strategy.select(ctx)
                 sync()

@@ -13,7 +13,9 @@ While :mod:`vegas_ext.decode` runs a model, an :class:`AttentionState` is active
 variable) and each layer's attention is, by ``state.mode``:
 
 * ``"prefill"``: plain causal attention over the new tokens (PyTorch SDPA, ``is_causal=True``,
-  GQA without repeating K/V); the cache must be empty (rows left-aligned at position 0);
+  GQA without repeating K/V); the cache must be empty (rows left-aligned at position 0). SDPA
+  rather than ``verify_attention``: 43 vs 206 ms for a 2K-token prompt per layer call (9/3 heads,
+  CPU), and prefill needs no block scores;
 * ``"verify"``: :func:`vegas_ext.ops.verify_attention` over the whole cache; the per-layer block
   scores (``[B, H_kv, N]``) go into ``state.block_scores[layer]``;
 * ``"draft"``: :func:`vegas_ext.ops.sparse_draft_attention` over ``state.block_indices[layer]``
