@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One-call GPU check of the vegas CUDA kernels (issue: CUDA kernels), for a machine with
+# one NVIDIA GPU, torch (a CUDA build) and a CUDA toolkit already installed, no network:
+#   1. builds the extension in place for this GPU only (TORCH_CUDA_ARCH_LIST from the
+#      device's compute capability, MAX_JOBS = all cores);
+#   2. runs tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph
+#      replay, top-k ties/NaN; the CPU-only emulation tests are skipped here);
+#   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, Llama-3-8B /
+#      Qwen3-8B attention shape) and prints its table.
+# Everything it writes goes to bench/results/ and, when $OUT is set, to $OUT as well
+# (gpu_check.log, build.log, tests.log, test_cuda_ops.xml, kernels_cuda.{md,jsonl}).
+# Designed to finish within 8 minutes on a 16-core machine with an H100/H200.
+#
+#   bash bench/gpu_check.sh            # PYTHON=python3 by default
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+RES="$ROOT/bench/results"
+mkdir -p "$RES"
+DEST=${OUT:-$RES}
+mkdir -p "$DEST"
+LOG="$DEST/gpu_check.log"
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+T0=$(date +%s)
+step() { echo; echo "=== [$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $* ==="; }
+status=0
+
+step "0/3 environment"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || echo "(no nvidia-smi)"
+"$PY" - <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+assert torch.cuda.is_available(), "no CUDA device visible to torch"
+p = torch.cuda.get_device_properties(0)
+print("device", p.name, f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs", round(p.total_memory / 2**30), "GiB")
+EOF
+if [ -z "${CUDA_HOME:-}" ]; then
+  if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda
+  elif command -v nvcc >/dev/null; then CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  fi
+fi
+export CUDA_HOME
+echo "CUDA_HOME=${CUDA_HOME:-<none>}"; "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version | tail -2 || true
+ARCH=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export VEGAS_BUILD_CUDA=1
+
+step "1/3 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
+B0=$(date +%s)
+if ! timeout 330 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
+  tail -60 "$DEST/build.log"
+  echo "BUILD FAILED (full log: build.log)"
+  exit 1
+fi
+echo "build ok in $(( $(date +%s) - B0 ))s"
+SO=$(ls python/vegas_ext/_C*.so | head -1)
+command -v cuobjdump >/dev/null && cuobjdump --list-elf "$SO" || true
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention')))"
+
+step "2/3 tests/test_cuda_ops.py"
+set +e
+VEGAS_SKIP_EMULATOR=1 timeout 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
+  --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
+trc=${PIPESTATUS[0]}
+set -e
+if [ "$trc" -ne 0 ]; then echo "TESTS FAILED (rc $trc; full log: tests.log)"; status=1; else echo "tests ok"; fi
+
+step "3/3 kernel microbenchmarks"
+set +e
+timeout 180 "$PY" bench/bench_cuda_kernels.py --out "$RES/kernels_cuda"
+brc=$?
+set -e
+if [ "$brc" -ne 0 ]; then echo "BENCHMARK FAILED (rc $brc)"; status=1; fi
+if [ "$DEST" != "$RES" ]; then cp -f "$RES"/kernels_cuda.* "$DEST"/ 2>/dev/null || true; fi
+
+step "done: tests rc=$trc, bench rc=$brc, $(( $(date +%s) - T0 ))s in all"
+exit $status

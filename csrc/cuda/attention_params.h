@@ -1,0 +1,172 @@
+// Plain parameter structs of the vegas CUDA attention kernels (no CUDA, no torch), and the
+// host-side launch plan shared by the launchers (csrc/cuda/*.cu) and the software
+// emulation harness (csrc/cuda/emu/).
+//
+// Work decomposition (verify_attention and sparse_draft_attention share it):
+//   * Query rows: the R = Q * G query rows of one KV head g (row r = query i = r / G,
+//     query head g * G + r % G) are processed together, so every K/V tile loaded to
+//     shared memory serves all query heads of the group and all queries (GQA packing).
+//     A warp owns `rows_per_warp` rows (16 for the tensor-core path, 8 for the SIMT
+//     path); a CTA holds `rg` row groups (<= 4) and the grid's z axis covers the rest.
+//   * Tokens: a "virtual" token sequence per (batch, KV head) -- the cache positions
+//     [0, seq_len) for verify, the selected blocks then the tail for the draft -- cut
+//     into tiles of `tile` tokens. The grid's x axis splits the tiles into `nsplit`
+//     contiguous ranges (flash-decoding); inside a CTA, the `ns` warps of a row group
+//     ("streams") take the 16-token steps of each tile round-robin.
+//   * The streams of a row group are merged in shared memory at the end of the CTA, and
+//     the CTA writes one un-normalised online-softmax state (m, l, acc) per row -- np =
+//     nsplit partials per row; the combine kernels merge them into out / lse. A split
+//     covers at least kMinTilesPerSplit tiles (fewer, larger partials at short lengths).
+//   * Block scores (verify only): per row and 16-token step u, the log2-sum-exp of the
+//     scores of each block overlapping [16u, 16u + 16) -- a self-contained partial
+//     log-sum-exp, `spt` slots per step -- is written to `slots`; the combine kernel
+//     turns them into probabilities with the final lse and sums rows and steps.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace vegas {
+namespace cuda {
+
+constexpr int kStep = 16;      // tokens per online-softmax step (one mma k-step of P.V)
+constexpr int kMmaTile = 64;   // tokens per CTA tile, tensor-core path
+constexpr int kMinTilesPerSplit = 4;  // a split covers at least this many tiles (partials
+                                      // cost R * D floats each: keep them few)
+
+struct AttnParams {
+  const void* q;  // [B, Q, Hq, D] contiguous
+  const void* k;  // [B, Hkv, S, D], stride(3) == 1
+  const void* v;
+  int64_t k_sb, k_sh, k_st;  // element strides of k (batch, head, token)
+  int64_t v_sb, v_sh, v_st;
+  const int32_t* seq_lens;  // [B]
+  int B, Q, Hq, Hkv, G, S, D, R;
+  float scale_log2;  // softmax scale * log2(e): scores are kept in base 2
+  int block_size;
+  int nblocks;  // ceil(S / block_size)
+  // sparse draft only
+  const int32_t* block_indices;  // [B, Hkv, K]
+  const int32_t* tail_start;     // [B]
+  int K;
+  // plan
+  int tile, nsplit, ns, rg, rows_per_warp, np, spt, nsub;
+  int min_tiles;  // a split covers at least this many tiles (kMinTilesPerSplit)
+  // workspace
+  float* part_m;  // [B * Hkv, np, R]   running max (base 2)
+  float* part_l;  // [B * Hkv, np, R]   sum of exp2(s - m)
+  float* part_o;  // [B * Hkv, np, R, D] un-normalised output
+  float* slots;   // [B * Hkv, R, nsub, spt] block log2-sum-exps (verify), or null
+};
+
+struct CombineParams {
+  const float* part_m;
+  const float* part_l;
+  const float* part_o;
+  const float* slots;  // or null (no block scores)
+  void* out;           // [B, Q, Hq, D], dtype of q
+  float* lse;          // [B, Hq, Q] or null
+  float* block_scores; // [B, Hkv, nblocks] or null
+  const float* query_weights;  // [Q] or null
+  const int32_t* seq_lens;
+  int B, Q, Hq, Hkv, G, R, D, S, np, block_size, nblocks, spt, nsub;
+};
+
+struct TopkParams {
+  const float* scores;  // [rows, N] contiguous
+  const int32_t* k;     // [B]
+  const int32_t* num_candidates;  // [B]
+  int32_t* out;         // [rows, max_k]
+  int H, N, max_k, num_sink_blocks;
+};
+
+inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Host-side plan of one attention call.
+struct AttnPlan {
+  bool mma = false;
+  int rows_per_warp = 0, rg = 0, ns = 0, warps = 0, nz = 0;
+  int tile = 0, nsplit = 0, np = 0, spt = 0, nsub = 0, min_tiles = kMinTilesPerSplit;
+  size_t smem = 0;          // dynamic shared memory of the main kernel, bytes
+  int combine_threads = 256, combine_chunks = 1;
+  size_t combine_smem = 0;
+  int64_t n_part_ml = 0, n_part_o = 0, n_slots = 0;  // workspace floats
+};
+
+// Shared-memory layout of the tensor-core kernel (bytes), for element size `esize`.
+struct MmaSmem {
+  size_t kv, tok, pbuf, mbuf, total;
+  MmaSmem(int D, int esize, int warps) {
+    const size_t lds = size_t(D) + 8;
+    kv = 2 /*stages*/ * 2 /*K,V*/ * size_t(kMmaTile) * lds * esize;
+    tok = 2 * size_t(kMmaTile) * sizeof(int);
+    pbuf = size_t(warps) * 16 * (kStep + 1) * sizeof(float);
+    mbuf = size_t(warps) * 16 * sizeof(float);
+    total = kv + tok + pbuf + mbuf;
+  }
+};
+
+// Shared-memory layout of the SIMT kernel (bytes).
+struct SimtSmem {
+  size_t kv, tok, qs, pbuf, mbuf, total;
+  SimtSmem(int D, int tile, int warps, int rows) {
+    kv = 2 * size_t(tile) * (size_t(D) + 2) * sizeof(float);
+    tok = size_t(tile) * sizeof(int);
+    qs = size_t(rows) * D * sizeof(float);
+    pbuf = size_t(warps) * 8 * (kStep + 1) * sizeof(float);
+    mbuf = size_t(warps) * 8 * sizeof(float);
+    total = kv + tok + qs + pbuf + mbuf;
+  }
+};
+
+// vlen_max: the longest virtual token sequence a row can have (S for verify,
+// K * block_size + S for the draft). num_sms: multiprocessors of the device.
+inline AttnPlan make_attn_plan(int64_t B, int64_t Hkv, int64_t R, int64_t D, int64_t S,
+                               int64_t vlen_max, int64_t block_size, bool mma, bool with_slots,
+                               int esize, int num_sms, int min_tiles = kMinTilesPerSplit) {
+  AttnPlan p;
+  p.min_tiles = std::max(1, min_tiles);
+  p.mma = mma;
+  p.rows_per_warp = mma ? 16 : 8;
+  const int64_t mr = div_up(R, p.rows_per_warp);  // row groups in all
+  p.rg = static_cast<int>(std::min<int64_t>(4, mr));
+  p.ns = p.rg == 1 ? 4 : (p.rg == 2 ? 2 : 1);
+  p.warps = p.rg * p.ns;
+  p.nz = static_cast<int>(div_up(mr, p.rg));
+  p.tile = mma ? kMmaTile : (D <= 128 ? 64 : 32);
+  const int64_t nvt_max = std::max<int64_t>(1, div_up(vlen_max, p.tile));
+  const int64_t base = B * Hkv * p.nz;
+  const int64_t target = 4 * std::max(1, num_sms);
+  int64_t nsplit = div_up(target, base);
+  nsplit = std::max<int64_t>(1, std::min<int64_t>({nsplit, div_up(nvt_max, p.min_tiles), 64}));
+  p.nsplit = static_cast<int>(nsplit);
+  p.np = p.nsplit;  // the streams of a CTA are merged in shared memory
+  p.spt = with_slots ? static_cast<int>(std::min<int64_t>(kStep, (kStep - 1) / block_size + 2)) : 0;
+  p.nsub = static_cast<int>(div_up(S, kStep));
+  p.smem = mma ? MmaSmem(static_cast<int>(D), esize, p.warps).total
+               : SimtSmem(static_cast<int>(D), p.tile, p.warps, p.rg * 8).total;
+  p.n_part_ml = B * Hkv * p.np * R;
+  p.n_part_o = p.n_part_ml * D;
+  p.n_slots = with_slots ? B * Hkv * R * int64_t(p.nsub) * p.spt : 0;
+  const int64_t nblocks = div_up(S, block_size);
+  const int64_t work = std::max<int64_t>(with_slots ? nblocks : 0, div_up(R * D, 4));
+  p.combine_chunks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(div_up(work, p.combine_threads), 4096)));
+  p.combine_smem = size_t(R) * sizeof(float);
+  return p;
+}
+
+inline void fill_plan(AttnParams& a, const AttnPlan& p) {
+  a.tile = p.tile;
+  a.nsplit = p.nsplit;
+  a.ns = p.ns;
+  a.rg = p.rg;
+  a.rows_per_warp = p.rows_per_warp;
+  a.np = p.np;
+  a.spt = p.spt;
+  a.nsub = p.nsub;
+  a.min_tiles = p.min_tiles;
+}
+
+}  // namespace cuda
+}  // namespace vegas

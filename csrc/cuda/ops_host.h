@@ -1,0 +1,265 @@
+// Host side of the vegas CUDA ops: input checks, launch plan, workspace, kernel choice
+// and launches, written once against a small "backend" interface so the same code runs
+// with the real CUDA backend (csrc/cuda/cuda_backend.h, used by the TORCH_LIBRARY_IMPL
+// launchers) and with the software emulation backend (csrc/cuda/emu/emu_ops.cpp).
+//
+// Backend interface:
+//   bool value_checks();          // run checks that copy values to the host
+//   bool force_simt();            // use the SIMT kernels even where mma applies
+//   int num_sms();
+//   int min_tiles_per_split();    // kMinTilesPerSplit; the emulation lowers it to test splits
+//   at::Tensor to_host(const at::Tensor&);
+//   void launch(kernel, Grid3 grid, int threads, size_t smem, args...);
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <climits>
+#include <cstdint>
+#include <tuple>
+
+#include "checks.h"
+#include "cuda/attention_params.h"
+#include "cuda/block_topk_kernel.cuh"
+#include "cuda/sparse_draft_attention_kernel.cuh"
+#include "cuda/verify_attention_kernel.cuh"
+
+namespace vegas {
+namespace cuda {
+
+struct Grid3 {
+  int64_t x, y, z;
+};
+
+inline bool rows_16b_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+         t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+}
+
+inline void check_cuda_limits(const char* op, const AttnDims& d, int64_t block_size,
+                              int64_t K) {
+  TORCH_CHECK(d.D <= 256, op, ": head_dim must be <= 256 for the CUDA kernels, got ", d.D);
+  TORCH_CHECK(d.S + 2 * block_size < INT32_MAX, op,
+              ": S + 2 * block_size must be below 2^31 for the CUDA kernels, got S = ", d.S,
+              ", block_size = ", block_size);
+  TORCH_CHECK(K * block_size + d.S < INT32_MAX, op,
+              ": K * block_size + S must be below 2^31 for the CUDA kernels, got K = ", K,
+              ", block_size = ", block_size, ", S = ", d.S);
+  TORCH_CHECK(d.B * d.Hkv < INT32_MAX && d.B * d.Q * d.Hq < INT32_MAX, op,
+              ": batch x heads too large for the CUDA kernels");
+  TORCH_CHECK(d.Q * d.group <= 65535LL * 16, op, ": Q * (H_q / H_kv) = ", d.Q * d.group,
+              " rows per KV head exceed the CUDA kernels' limit of ", 65535LL * 16);
+}
+
+template <typename T, class Map>
+using AttnKernel = void (*)(AttnParams);
+
+template <typename T, class Map>
+AttnKernel<T, Map> pick_mma_kernel(int64_t D) {
+  if constexpr (sizeof(T) == 2) {
+    switch (D) {
+      case 64: return &attn_mma_kernel<T, 64, Map>;
+      case 80: return &attn_mma_kernel<T, 80, Map>;
+      case 96: return &attn_mma_kernel<T, 96, Map>;
+      case 128: return &attn_mma_kernel<T, 128, Map>;
+      default: return nullptr;
+    }
+  } else {
+    (void)D;
+    return nullptr;
+  }
+}
+
+// Shared by verify (Map = VerifyMap) and the draft (Map = DraftMap).
+template <class Map, class Backend>
+void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& lens, const AttnDims& d, int64_t block_size, double scale,
+                   const int32_t* block_indices, const int32_t* tail_start, int64_t K,
+                   at::Tensor& out, float* lse, float* block_scores, const float* qw) {
+  const int64_t R = d.Q * d.group;
+  const int64_t nblocks = ceil_div(d.S, block_size);
+  const bool slots = Map::kBlockScores;
+  const at::ScalarType dt = q.scalar_type();
+  const bool mma_ok = (dt == at::kBFloat16 || dt == at::kHalf) &&
+                      (d.D == 64 || d.D == 80 || d.D == 96 || d.D == 128) &&
+                      rows_16b_aligned(k) && rows_16b_aligned(v) && !be.force_simt();
+  const int64_t vmax = slots ? d.S : K * block_size + d.S;
+  const AttnPlan plan = make_attn_plan(d.B, d.Hkv, R, d.D, d.S, vmax, block_size, mma_ok, slots,
+                                       static_cast<int>(q.element_size()), be.num_sms(),
+                                       be.min_tiles_per_split());
+  const int64_t nlse2 = d.B * d.Hkv * R;
+  at::Tensor ws = at::empty({2 * plan.n_part_ml + plan.n_part_o + plan.n_slots + nlse2},
+                            q.options().dtype(at::kFloat));
+  float* wp = ws.data_ptr<float>();
+
+  AttnParams a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.k_sb = k.stride(0);
+  a.k_sh = k.stride(1);
+  a.k_st = k.stride(2);
+  a.v_sb = v.stride(0);
+  a.v_sh = v.stride(1);
+  a.v_st = v.stride(2);
+  a.seq_lens = lens.data_ptr<int32_t>();
+  a.B = static_cast<int>(d.B);
+  a.Q = static_cast<int>(d.Q);
+  a.Hq = static_cast<int>(d.Hq);
+  a.Hkv = static_cast<int>(d.Hkv);
+  a.G = static_cast<int>(d.group);
+  a.S = static_cast<int>(d.S);
+  a.D = static_cast<int>(d.D);
+  a.R = static_cast<int>(R);
+  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  a.block_size = static_cast<int>(block_size);
+  a.nblocks = static_cast<int>(nblocks);
+  a.block_indices = block_indices;
+  a.tail_start = tail_start;
+  a.K = static_cast<int>(K);
+  fill_plan(a, plan);
+  a.part_m = wp;
+  a.part_l = wp + plan.n_part_ml;
+  a.part_o = wp + 2 * plan.n_part_ml;
+  a.slots = slots ? wp + 2 * plan.n_part_ml + plan.n_part_o : nullptr;
+  float* lse2 = wp + 2 * plan.n_part_ml + plan.n_part_o + plan.n_slots;
+
+  CombineParams c{};
+  c.part_m = a.part_m;
+  c.part_l = a.part_l;
+  c.part_o = a.part_o;
+  c.slots = a.slots;
+  c.out = out.data_ptr();
+  c.lse = lse;
+  c.block_scores = block_scores;
+  c.query_weights = qw;
+  c.seq_lens = a.seq_lens;
+  c.B = a.B;
+  c.Q = a.Q;
+  c.Hq = a.Hq;
+  c.Hkv = a.Hkv;
+  c.G = a.G;
+  c.R = a.R;
+  c.D = a.D;
+  c.S = a.S;
+  c.np = plan.np;
+  c.block_size = a.block_size;
+  c.nblocks = a.nblocks;
+  c.spt = plan.spt;
+  c.nsub = plan.nsub;
+
+  const Grid3 grid{d.B * d.Hkv, plan.nsplit, plan.nz};
+  const int threads = 32 * plan.warps;
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    AttnKernel<T, Map> kern =
+        plan.mma ? pick_mma_kernel<T, Map>(d.D) : &attn_simt_kernel<T, Map>;
+    TORCH_INTERNAL_ASSERT(kern != nullptr);
+    be.launch(kern, grid, threads, plan.smem, a);
+    be.launch(&attn_lse_kernel, Grid3{d.B * d.Hkv, ceil_div(R, 256), 1}, 256, 0, c, lse2);
+    be.launch(&attn_combine_kernel<T>, Grid3{d.B * d.Hkv, plan.combine_chunks, 1},
+              plan.combine_threads, 0, c, static_cast<const float*>(lse2));
+  };
+  switch (dt) {
+    case at::kFloat: go(float{}); break;
+    case at::kBFloat16: go(bf16_t{}); break;
+    case at::kHalf: go(half_t{}); break;
+    default: TORCH_CHECK(false, "vegas CUDA attention: unsupported dtype ", dt);
+  }
+}
+
+template <class Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_impl(
+    Backend& be, const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& seq_lens, int64_t block_size, double scale,
+    const c10::optional<at::Tensor>& query_weights) {
+  const char* op = "vegas::verify_attention";
+  const AttnDims d =
+      check_attention_inputs(op, q_in, k_cache, v_cache, seq_lens, block_size, scale);
+  check_query_weights(op, q_in, query_weights, d);
+  check_cuda_limits(op, d, block_size, 0);
+  const at::Tensor lens = seq_lens.contiguous();
+  if (be.value_checks()) {
+    const at::Tensor h = be.to_host(lens);
+    check_seq_lens_values(op, h.data_ptr<int32_t>(), d);
+  }
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor qw_t;
+  if (query_weights.has_value()) qw_t = query_weights->contiguous();
+  const int64_t N = ceil_div(d.S, block_size);
+  at::Tensor out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
+  at::Tensor lse = at::empty({d.B, d.Hq, d.Q}, q.options().dtype(at::kFloat));
+  at::Tensor scores = at::empty({d.B, d.Hkv, N}, q.options().dtype(at::kFloat));
+  if (d.B == 0) return {out, lse, scores};
+  run_attention<VerifyMap>(be, q, k_cache, v_cache, lens, d, block_size, scale, nullptr, nullptr,
+                           0, out, lse.data_ptr<float>(), scores.data_ptr<float>(),
+                           qw_t.defined() ? qw_t.data_ptr<float>() : nullptr);
+  return {out, lse, scores};
+}
+
+template <class Backend>
+at::Tensor sparse_draft_attention_impl(Backend& be, const at::Tensor& q_in,
+                                       const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_indices,
+                                       const at::Tensor& tail_start, const at::Tensor& seq_lens,
+                                       int64_t block_size, double scale) {
+  const char* op = "vegas::sparse_draft_attention";
+  const AttnDims d =
+      check_attention_inputs(op, q_in, k_cache, v_cache, seq_lens, block_size, scale);
+  check_draft_inputs(op, q_in, block_indices, tail_start, d);
+  const int64_t K = block_indices.size(2);
+  check_cuda_limits(op, d, block_size, K);
+  const at::Tensor lens = seq_lens.contiguous();
+  const at::Tensor tail = tail_start.contiguous();
+  const at::Tensor idx = block_indices.contiguous();
+  if (be.value_checks()) {
+    const at::Tensor hl = be.to_host(lens);
+    const at::Tensor ht = be.to_host(tail);
+    const at::Tensor hi = be.to_host(idx);
+    check_seq_lens_values(op, hl.data_ptr<int32_t>(), d);
+    check_draft_values(op, hl.data_ptr<int32_t>(), ht.data_ptr<int32_t>(), hi.data_ptr<int32_t>(),
+                       K, d, block_size);
+  }
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
+  if (d.B == 0) return out;
+  run_attention<DraftMap>(be, q, k_cache, v_cache, lens, d, block_size, scale,
+                          K > 0 ? idx.data_ptr<int32_t>() : nullptr, tail.data_ptr<int32_t>(), K,
+                          out, nullptr, nullptr, nullptr);
+  return out;
+}
+
+template <class Backend>
+at::Tensor block_topk_impl(Backend& be, const at::Tensor& scores_in, const at::Tensor& k_in,
+                           const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks) {
+  const char* op = "vegas::block_topk";
+  check_topk_inputs(op, scores_in, k_in, ncand_in, max_k, num_sink_blocks);
+  const at::Tensor scores = scores_in.contiguous();
+  const at::Tensor kt = k_in.contiguous();
+  const at::Tensor nt = ncand_in.contiguous();
+  const int64_t B = scores.size(0), H = scores.size(1), N = scores.size(2);
+  TORCH_CHECK(N < INT32_MAX && B * H < INT32_MAX, op,
+              ": block_scores too large for the CUDA kernel, got shape ", scores.sizes());
+  if (be.value_checks()) {
+    const at::Tensor hk = be.to_host(kt);
+    const at::Tensor hn = be.to_host(nt);
+    check_topk_values(op, hk.data_ptr<int32_t>(), hn.data_ptr<int32_t>(), B);
+  }
+  at::Tensor out = at::empty({B, H, max_k}, scores.options().dtype(at::kInt));
+  if (B * H == 0 || max_k == 0) return out;
+  TopkParams p{};
+  p.scores = scores.data_ptr<float>();
+  p.k = kt.data_ptr<int32_t>();
+  p.num_candidates = nt.data_ptr<int32_t>();
+  p.out = out.data_ptr<int32_t>();
+  p.H = static_cast<int>(H);
+  p.N = static_cast<int>(N);
+  p.max_k = static_cast<int>(max_k);
+  p.num_sink_blocks = static_cast<int>(std::min<int64_t>(num_sink_blocks, INT32_MAX));
+  be.launch(&block_topk_kernel, Grid3{B * H, 1, 1}, kTopkThreads, kTopkSmemBytes, p);
+  return out;
+}
+
+}  // namespace cuda
+}  // namespace vegas

@@ -1,0 +1,29 @@
+// Kernels of vegas::verify_attention (raw pointers, no torch includes): the shared
+// split-KV main loops of attention_kernel.cuh over the token map below, with the
+// per-block partial log-sum-exps ("slots") kept in the loop, then attn_lse_kernel /
+// attn_combine_kernel merge the splits and normalise the slots into block_scores:
+//   block_scores[b, g, j] = sum_r w(r) * sum_{steps u over block j} 2^(slot[r, u, j] - lse2_r)
+// No [Q, S] probability matrix is written. Source of the method: Vegas, arXiv 2602.07223.
+//
+// STATUS: compiled, emulator-checked (csrc/cuda/emu); NOT yet run on GPU hardware.
+#pragma once
+
+#include "cuda/attention_kernel.cuh"
+
+namespace vegas {
+namespace cuda {
+
+// Verification: the virtual token sequence is the cache itself, positions [0, seq_len).
+struct VerifyMap {
+  static constexpr bool kBlockScores = true;
+  int L;
+  VEGAS_DEVICE void init(const AttnParams& p, int b, int /*g*/) {
+    const int len = p.seq_lens[b];
+    L = len < 0 ? 0 : (len > p.S ? p.S : len);  // clamped: values are unchecked under graph capture
+  }
+  VEGAS_DEVICE int length() const { return L; }
+  VEGAS_DEVICE int token(int v) const { return v < L ? v : -1; }
+};
+
+}  // namespace cuda
+}  // namespace vegas
