@@ -412,13 +412,16 @@ def generate(
       step costs about the same for any of these budgets (weights dominate: 57-60 ms at 2K-8K, batch
       1), so the paper's 5 % / 256 is kept; 16-token blocks keep the selection cheap (one
       ``block_topk`` over all layers: 0.6-2.9 ms, under 1 % of an iteration).
-    * ``num_speculative_tokens=6`` (the paper's setting): the cost model ``tau * t_plain / (gamma *
-      t_draft + t_verify + t_select)`` from measured step costs puts gamma 3-6 within ~5 % of each other
-      at 8K; 6 keeps more of the gain where acceptance is high. Where it pays: plain step / draft step
-      / verify(7) = 365 / 104 / 699 ms at 8K, batch 4 (predicted 1.5x our ``"full"``, 2.7x HF
-      ``generate``, whose step is 642 ms); at 2K, batch 1 (79 / 60 / 146 ms) self-speculation cannot
-      win on CPU: a small model's draft step reads all the weights like a plain step, and verifying
-      7 tokens costs ~2 plain steps (small-M GEMMs are compute-bound here). Use ``"full"`` there.
+    * ``num_speculative_tokens=6`` (the paper's setting, kept as the API default): with the cost
+      model ``tau * t_plain / (gamma * t_draft + t_verify + t_select)`` on measured step costs (plain
+      / draft / verify-of-7 = 365 / 104 / 699 ms at 8K, batch 4; 86 / 57 / 165 ms at 4K, batch 1),
+      gamma 2-4 is best on this CPU and 6 is 5-15 % behind it, because verifying gamma+1 tokens is
+      not free here (small-M GEMMs are compute-bound: verify-of-7 ~ 2 plain steps) and a 135M
+      model's draft step reads all the weights like a plain step. Measured end to end at 4K,
+      batch 1 (decode only, 1 thread): ``"full"`` 10.4 tok/s, gamma 6 8.1 tok/s (tau 5.9), gamma 3
+      12.4 tok/s (tau 3.8). Pass ``num_speculative_tokens=3`` on CPU; keep 6 where verification is
+      nearly free (GPU, the paper's setup). At 2K, batch 1 no gamma wins by more than ~6 %: use
+      ``"full"`` there.
     * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
       (``query_weights="all"``): no worse than the authors' shared / first-and-last choices in these
       runs, and per-head selection is what the kernels are built for.
