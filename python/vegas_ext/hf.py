@@ -81,6 +81,10 @@ class AttentionState:
         draft_hook: optional ``(layer_idx, q [B,Q,H_q,D], k_cache, v_cache) -> [B, H_kv, K]`` int32
             indices, called per layer in draft mode instead of reading ``block_indices`` (for
             query-aware selection such as Quest).
+        write_hook: optional ``(layer_idx, k_cache [B,H_kv,S,D], start [B] int32) -> None``, called per
+            layer in every mode right after the layer's new K/V were written at
+            ``[start[b], cache.seq_lens[b])`` (keeps per-block metadata current, e.g. Quest's key
+            min/max; rollbacks are covered because rewritten positions are reported again).
     """
 
     cache: VegasCache
@@ -91,6 +95,7 @@ class AttentionState:
     block_indices: Optional[Tensor] = None
     tail_start: Optional[Tensor] = None
     draft_hook: Optional[Callable] = None
+    write_hook: Optional[Callable] = None
     _qw_cache: dict = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -155,6 +160,8 @@ def vegas_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mode = st.mode
+    if st.write_hook is not None:
+        st.write_hook(layer, key, st.cache.seq_lens - query.shape[2])
     if mode == "prefill":
         q_len = query.shape[2]
         out = F.scaled_dot_product_attention(
