@@ -10,6 +10,24 @@ import torch
 
 from vegas_ext import reference
 
+# (B, Q, H_q, H_kv, D, S, block_size): odd shapes shared by the CPU and CUDA op tests --
+# GQA ratios 3/1/4 and MQA, S = 1, S not a multiple of block_size, S >= 4096, ragged lengths.
+ATTN_SHAPES = [
+    (1, 1, 4, 1, 64, 1, 1),
+    (2, 7, 9, 3, 64, 300, 16),
+    (3, 5, 8, 8, 80, 1000, 7),
+    (4, 8, 32, 8, 128, 4100, 64),
+    (2, 3, 4, 1, 128, 257, 1),
+    (3, 2, 9, 3, 80, 77, 64),
+    (1, 8, 32, 8, 64, 4096, 16),
+    (4, 1, 8, 8, 64, 129, 7),
+]
+
+
+def shape_id(s):
+    return "B{}Q{}Hq{}Hkv{}D{}S{}bs{}".format(*s)
+
+
 ATOL_FLOOR = {torch.float32: 3e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

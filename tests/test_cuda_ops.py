@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from op_utils import make_inputs, max_err, out_error_bound, random_selection
+from op_utils import ATTN_SHAPES, make_inputs, max_err, out_error_bound, random_selection, shape_id
 from vegas_ext import ops, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def _path_id(p):
 
 
 @pytest.mark.parametrize("path", EMU_PATHS, ids=_path_id)
-@pytest.mark.parametrize("shape", EMU_VERIFY, ids=lambda s: "B{}Q{}Hq{}Hkv{}D{}S{}bs{}".format(*s))
+@pytest.mark.parametrize("shape", EMU_VERIFY, ids=shape_id)
 def test_emulated_verify_attention(shape, path):
     emu = _emu()
     dtype, simt, min_tiles = path
@@ -210,15 +210,7 @@ def kernel_path(request, monkeypatch):
     return request.param
 
 
-VERIFY_SHAPES = [  # (B, Q, H_q, H_kv, D, S, block_size)
-    (1, 1, 4, 1, 64, 1, 1),
-    (2, 7, 9, 3, 64, 300, 16),
-    (3, 5, 8, 8, 80, 1000, 7),
-    (4, 8, 32, 8, 128, 4100, 64),
-    (2, 3, 4, 1, 128, 257, 1),
-    (3, 2, 9, 3, 80, 77, 64),
-    (1, 8, 32, 8, 64, 4096, 16),
-    (4, 1, 8, 8, 64, 129, 7),
+VERIFY_SHAPES = ATTN_SHAPES + [  # (B, Q, H_q, H_kv, D, S, block_size)
     (2, 16, 32, 8, 96, 2000, 16),
     (1, 24, 8, 2, 128, 3000, 5),  # Q > 16
 ]
@@ -236,7 +228,7 @@ def _verify_case(shape, dtype, query_weights=None, seed=0):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", VERIFY_SHAPES, ids=lambda s: "B{}Q{}Hq{}Hkv{}D{}S{}bs{}".format(*s))
+@pytest.mark.parametrize("shape", VERIFY_SHAPES, ids=shape_id)
 def test_verify_attention_matches_reference(shape, dtype, kernel_path):
     (q, k, v, lens, scale), (out, lse, bsc), (out_r, lse_r, bsc_r) = _verify_case(shape, dtype)
     B, Q, Hq, Hkv, D, S, bs = shape

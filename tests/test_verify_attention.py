@@ -4,21 +4,10 @@ import math
 import pytest
 import torch
 
-from op_utils import make_inputs, max_err, out_error_bound
+from op_utils import ATTN_SHAPES, make_inputs, max_err, out_error_bound, shape_id
 from vegas_ext import ops, reference
 
-# (B, Q, H_q, H_kv, D, S, block_size): odd shapes, GQA ratios 3/4/1/4, S = 1, S not a
-# multiple of block_size, S >= 4096.
-SHAPES = [
-    (1, 1, 4, 1, 64, 1, 1),
-    (2, 7, 9, 3, 64, 300, 16),
-    (3, 5, 8, 8, 80, 1000, 7),
-    (4, 8, 32, 8, 128, 4100, 64),
-    (2, 3, 4, 1, 128, 257, 1),
-    (3, 2, 9, 3, 80, 77, 64),
-    (1, 8, 32, 8, 64, 4096, 16),
-    (4, 1, 8, 8, 64, 129, 7),
-]
+SHAPES = ATTN_SHAPES
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -32,7 +21,7 @@ def _run(shape, dtype, query_weights=None, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}Q{}Hq{}Hkv{}D{}S{}bs{}".format(*s))
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_matches_reference(shape, dtype):
     (q, k, v, lens, scale), (out, lse, bsc), (out_r, lse_r, bsc_r) = _run(shape, dtype)
     B, Q, Hq, Hkv, D, S, bs = shape
