@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -142,20 +143,31 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_hf(model, ids, mask, max_new: int, pad_id: int) -> Dict[str, Any]:
-    """Plain greedy HF ``generate`` (EOS ignored); returns tokens and timings."""
-    from transformers import GenerationConfig
+def run_hf(model, ids, mask, max_new: int, pad_id: int, prefill_cache: Optional[dict] = None) -> Dict[str, Any]:
+    """Plain greedy HF ``generate`` (EOS ignored); returns tokens and timings.
+
+    With ``prefill_cache`` (filled by our loop on the same unpadded prompt, ``T - 1`` tokens), HF
+    starts from a ``DynamicCache`` holding that prefill instead of recomputing it (benchmarks: the
+    decode tokens/s is unaffected, ``time_prefill_s`` is then one forward of the last token)."""
+    from transformers import DynamicCache, GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1,
                           eos_token_id=[], pad_token_id=pad_id)
     clock = _Clock()
+    kw = {}
+    B, T = ids.shape
+    pc = prefill_cache
+    if (pc and pc.get("ids") is not None and bool(mask.all()) and pc["ids"].shape == (B, T - 1)
+            and torch.equal(pc["ids"], ids[:, :T - 1])):
+        from vegas_ext.decode import _cache_kwarg
+
+        kw[_cache_kwarg(model)] = DynamicCache([(k.clone(), v.clone()) for k, v in zip(pc["k"], pc["v"])])
     _sync(ids.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock, **kw)
     _sync(ids.device)
     t1 = time.perf_counter()
-    B, T = ids.shape
     new = out[:, T:]
     n = new.numel()
     prefill = (clock.t_first - t0) if clock.t_first else None
@@ -169,13 +181,16 @@ def run_hf(model, ids, mask, max_new: int, pad_id: int) -> Dict[str, Any]:
             "tokens_per_s": n / (t1 - t0),
             "decode_tokens_per_s": ((n - B) / dec_t) if dec_t and n > B else None,
             "num_iterations": new.shape[1] - 1,  # steps after prefill
+            "prefill_reused": bool(kw),
         },
     }
 
 
 def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma: int, ratio: float,
              block_size: int, extra: Dict[str, Any]) -> Dict[str, Any]:
-    """Our decode loop (``vegas_ext.generate``), greedy, EOS ignored."""
+    """Our decode loop (``vegas_ext.generate``), greedy, EOS ignored; ``extra`` holds further
+    ``generate`` options (``query_weights``, ``share_selection_across_heads``,
+    ``selection_refresh_interval``, ``prefill_cache``, ...)."""
     from vegas_ext.decode import generate
 
     _sync(ids.device)
@@ -186,6 +201,43 @@ def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma:
     _sync(ids.device)
     T = ids.shape[1]
     return {"tokens": out.sequences[:, T:].tolist(), "stats": dict(out.stats)}
+
+
+def _iter_time(result) -> Optional[float]:
+    """Seconds per decoding iteration after prefill of a ``full`` / ``hf`` run (one token per row)."""
+    if not result:
+        return None
+    s = result[1]["stats"]
+    it = s.get("num_iterations")
+    if not it or s.get("time_total_s") is None:
+        return None
+    return (s["time_total_s"] - (s.get("time_prefill_s") or 0.0)) / it
+
+
+def cost_model(s: Dict[str, Any], c: Dict[str, Any], t_full: Optional[float]) -> Dict[str, Any]:
+    """Per-iteration costs of a run and the speedup a simple cost model predicts from them:
+    ``tau * t_full / (gamma * t_draft + t_verify + t_select)`` with ``tau`` the mean acceptance
+    length, ``t_full`` the ``full`` run's seconds per token step of the same repeat, and the draft /
+    verify / select seconds per iteration of this run (the select time after prefill, Quest's
+    in-forward work included). Also ``select_overhead_share`` = select / measured iteration time."""
+    out = {"cost_t_full_ms": 1000 * t_full if t_full else None, "cost_gamma_t_draft_ms": None,
+           "cost_t_draft_step_ms": None, "cost_t_verify_ms": None, "cost_t_select_ms": None,
+           "cost_model_speedup_bound": None, "select_overhead_share": None}
+    it = s.get("num_iterations")
+    if c["algorithm"] in ("hf", "full") or not it or s.get("time_draft_s") is None:
+        return out
+    g = c.get("num_speculative_tokens") or 0
+    td = s["time_draft_s"] / it
+    tv = s["time_verify_s"] / it
+    tsel = (s["time_select_s"] - (s.get("time_select_prefill_s") or 0.0)) / it
+    t_it = (s["time_total_s"] - (s.get("time_prefill_s") or 0.0)) / it
+    out.update(cost_gamma_t_draft_ms=1000 * td, cost_t_draft_step_ms=1000 * td / g if g else None,
+               cost_t_verify_ms=1000 * tv, cost_t_select_ms=1000 * tsel,
+               select_overhead_share=tsel / t_it if t_it > 0 else None)
+    tau = s.get("mean_acceptance_length")
+    if t_full and tau and (td + tv + tsel) > 0:
+        out["cost_model_speedup_bound"] = tau * t_full / (td + tv + tsel)
+    return out
 
 
 def _num(x):
@@ -208,13 +260,23 @@ def parse_args(argv=None):
                          f"the model's positions (default {DEFAULT_CONTEXTS})")
     ap.add_argument("--batch-sizes", type=_csv(int), default=[1, 4], help="default 1,4")
     ap.add_argument("--algorithms", type=_csv(str), default=["hf", "full", "vegas"],
-                    help="hf (HF generate), full, vegas, or any registered selection algorithm (default hf,full,vegas)")
+                    help="hf (HF generate), full, vegas, streamingllm, quest or any registered selection algorithm, "
+                         "optionally with options after slashes: vegas/first_last, vegas/shared, vegas/refresh=4, "
+                         "vegas/bs=64 (overrides --block-sizes), combinable (vegas/shared/first_last) "
+                         "(default hf,full,vegas)")
     ap.add_argument("--num-speculative-tokens", type=_csv(int), default=[6], help="gamma values for sparse algorithms (default 6)")
     ap.add_argument("--ratios", type=_csv(float), default=[0.05], help="KV budget ratios (default 0.05)")
     ap.add_argument("--block-sizes", type=_csv(int), default=[16], help="block sizes (default 16)")
     ap.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens (default 256)")
     ap.add_argument("--share-selection", action="store_true", help="share_selection_across_heads=True")
     ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
+    ap.add_argument("--refresh-interval", type=int, default=1,
+                    help="selection_refresh_interval: re-select every N iterations (SparseSpec; default 1)")
+    ap.add_argument("--no-reuse-prefill", action="store_true",
+                    help="recompute the prefill in every run (default: prefill once per cell, reused by every "
+                         "run of the cell, HF included; decode tokens/s is unaffected, e2e tokens/s then is not "
+                         "a real end-to-end number)")
+    ap.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per row (default 64)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
@@ -230,30 +292,71 @@ def parse_args(argv=None):
             ap.error(f"unknown document {d!r}; choose from {documents.list_documents()}")
     if args.max_new_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or min(args.context_lengths) < 8:
         ap.error("--max-new-tokens, --repeats, --batch-sizes must be >= 1 and contexts >= 8")
+    from vegas_ext.decode import SELECTION_ALGORITHMS
+
+    for a in args.algorithms:
+        if a in ("hf", "full"):
+            continue
+        try:
+            spec = parse_algorithm_spec(a, args)
+        except ValueError as e:
+            ap.error(str(e))
+        if spec["algorithm"] not in SELECTION_ALGORITHMS:
+            ap.error(f"unknown algorithm {spec['algorithm']!r}; choose from hf, {', '.join(sorted(SELECTION_ALGORITHMS))}")
     return args
+
+
+def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
+    """``"vegas/first_last/shared/refresh=4/bs=64"`` -> algorithm name and its options (defaults
+    from ``--query-weights``, ``--share-selection``, ``--refresh-interval``). Raises ``ValueError``
+    on an unknown option."""
+    name, *opts = spec.split("/")
+    out = {"algorithm": name, "variant": "/".join(opts),
+           "query_weights": args.query_weights, "share_selection_across_heads": args.share_selection,
+           "selection_refresh_interval": args.refresh_interval, "block_size_override": None}
+    for o in opts:
+        if o in ("first_last", "all"):
+            out["query_weights"] = o
+        elif o in ("shared", "per_head"):
+            out["share_selection_across_heads"] = o == "shared"
+        elif o.startswith("refresh="):
+            out["selection_refresh_interval"] = int(o.split("=", 1)[1])
+        elif o.startswith("bs="):
+            out["block_size_override"] = int(o.split("=", 1)[1])
+        else:
+            raise ValueError(f"unknown algorithm option {o!r} in {spec!r}")
+    return out
 
 
 def configurations(args) -> List[Dict[str, Any]]:
     """Algorithm configurations of one cell, in run order (baselines first)."""
     cfgs = []
+    none = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
+            "selection_refresh_interval": None}
     for a in args.algorithms:
         if a in ("hf", "full"):
-            cfgs.append({"algorithm": a, "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None})
+            cfgs.append({"algorithm": a, "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None,
+                         **none})
     for a in args.algorithms:
         if a in ("hf", "full"):
             continue
+        spec = parse_algorithm_spec(a, args)
+        bss = [spec["block_size_override"]] if spec["block_size_override"] else args.block_sizes
+        opts = {k: v for k, v in spec.items() if k not in ("algorithm", "block_size_override")}
         for g in args.num_speculative_tokens:
             for r in args.ratios:
-                for bs in args.block_sizes:
-                    cfgs.append({"algorithm": a, "num_speculative_tokens": g, "sparse_attn_ratio": r, "block_size": bs})
+                for bs in bss:
+                    cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": g, "sparse_attn_ratio": r,
+                                 "block_size": bs, **opts})
     return cfgs
 
 
 def cfg_label(c: Dict[str, Any]) -> str:
-    """Short label of a configuration, e.g. ``vegas g6 r0.05 b16``."""
+    """Short label of a configuration, e.g. ``vegas g6 r0.05 b16`` or ``vegas/first_last g6 r0.05 b16``."""
     if c["algorithm"] in ("hf", "full"):
         return c["algorithm"]
-    return f"{c['algorithm']} g{c['num_speculative_tokens']} r{c['sparse_attn_ratio']:g} b{c['block_size']}"
+    name = c["algorithm"] + (f"/{c['variant']}" if c.get("variant") else "")
+    return f"{name} g{c['num_speculative_tokens']} r{c['sparse_attn_ratio']:g} b{c['block_size']}"
 
 
 def main(argv=None) -> int:
@@ -287,13 +390,15 @@ def main(argv=None) -> int:
                    "model_load_s": load_s, "model_load": dict(models.last_load_info), **env}, f, indent=1)
 
     cfgs = configurations(args)
-    extra = {"sparse_attn_min_tokens": args.min_tokens, "share_selection_across_heads": args.share_selection,
-             "query_weights": args.query_weights}
 
-    def run(c, ids, mask, max_new):
+    def run(c, ids, mask, max_new, pc=None):
         if c["algorithm"] == "hf":
-            return run_hf(model, ids, mask, max_new, pad_id)
+            return run_hf(model, ids, mask, max_new, pad_id, prefill_cache=pc)
         g = c["num_speculative_tokens"] or 0
+        extra = {"sparse_attn_min_tokens": args.min_tokens, "prefill_cache": pc}
+        if c["algorithm"] != "full":
+            extra.update(share_selection_across_heads=c["share_selection_across_heads"],
+                         query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"])
         return run_ours(model, ids, mask, max_new, pad_id, c["algorithm"], g if c["algorithm"] != "full" else 0,
                         c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16, extra)
 
@@ -312,15 +417,23 @@ def main(argv=None) -> int:
             ctx = min(ctx_req, max_pos - args.max_new_tokens - max(args.num_speculative_tokens) - 1)
             ids, mask = build_batch(tok, doc, ctx, B, args.chat)
             ids, mask = ids.to(device), mask.to(device)
+            pc: Optional[dict] = None
+            if not args.no_reuse_prefill:  # one prefill per cell (the longest, gamma 0), reused by every run
+                pc = {}
+                bar.set_postfix_str(f"{doc} ctx={ctx} B={B} prefill")
+                t_pf = time.perf_counter()
+                run_ours(model, ids, mask, 1, pad_id, "full", 0, 0.05, 16, {"prefill_cache": pc})
+                t_pf = time.perf_counter() - t_pf
             for rep in range(args.repeats):
                 # rotate the order every repeat so no configuration always runs first / last
                 order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]
                 results = {}
                 for c in order:
                     bar.set_postfix_str(f"{doc} ctx={ctx} B={B} {cfg_label(c)}")
-                    results[cfg_label(c)] = (c, run(c, ids, mask, args.max_new_tokens))
+                    results[cfg_label(c)] = (c, run(c, ids, mask, args.max_new_tokens, pc))
                     bar.update(1)
-                ref = results.get("hf") or results.get("full")
+                ref = results.get("full") or results.get("hf")
+                full_it = _iter_time(results.get("full"))
                 for label, (c, r) in results.items():
                     s = r["stats"]
                     rec = {
@@ -329,8 +442,6 @@ def main(argv=None) -> int:
                         "max_new_tokens": args.max_new_tokens, "dtype": str(dtype).replace("torch.", ""),
                         "model": model_name, "chat": args.chat,
                         "sparse_attn_min_tokens": args.min_tokens if c["algorithm"] not in ("hf", "full") else None,
-                        "share_selection_across_heads": args.share_selection if c["algorithm"] not in ("hf", "full") else None,
-                        "query_weights": args.query_weights if c["algorithm"] not in ("hf", "full") else None,
                         "mean_acceptance_length": s.get("mean_acceptance_length"),
                         "draft_acceptance_rate": s.get("draft_acceptance_rate"),
                         "num_accepted_tokens_per_pos": _num(s.get("num_accepted_tokens_per_pos")),
@@ -346,7 +457,13 @@ def main(argv=None) -> int:
                         "ms_per_iteration": (1000 * (s["time_total_s"] - (s.get("time_prefill_s") or 0)) / s["num_iterations"]
                                              if s.get("num_iterations") else None),
                         "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
-                        "plain_reference": "hf" if "hf" in results else ("full" if "full" in results else None),
+                        "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),
+                        "identical_to_hf": (r["tokens"] == results["hf"][1]["tokens"]) if "hf" in results else None,
+                        "prefill_reused": s.get("prefill_reused"),
+                        "cell_prefill_s": t_pf if pc is not None else None,
+                        "time_select_inline_s": s.get("time_select_inline_s"),
+                        "time_select_prefill_s": s.get("time_select_prefill_s"),
+                        **cost_model(s, c, full_it),
                         **env,
                     }
                     for base in ("full", "hf"):
@@ -360,9 +477,19 @@ def main(argv=None) -> int:
                 runs_f.flush()
     bar.close()
 
-    md = summary_markdown(records, args, env, model_name)
+    cmd = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    md = summary_markdown(records, args, env, model_name, cmd)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(md)
+    if not args.no_plots:
+        try:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import plots
+
+            for pth in plots.write_plots(records, out_dir):
+                print(f"plot: {pth}", file=sys.stderr)
+        except ImportError as e:  # matplotlib missing: numbers still written
+            print(f"plots skipped: {e}", file=sys.stderr)
     print(md)
     print(f"results: {runs_path}, {os.path.join(out_dir, 'summary.md')}", file=sys.stderr)
     return 0
@@ -377,10 +504,13 @@ def _f(x, fmt="{:.2f}"):
     return "–" if x is None else fmt.format(x)
 
 
-def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], model_name: str) -> str:
+def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], model_name: str,
+                     command: Optional[str] = None) -> str:
     """Markdown table: medians over repeats per (document, context, batch, configuration)."""
     lines = [
         f"# End-to-end decoding benchmark",
+        "",
+        f"Command: `{command}`" if command else "",
         "",
         f"Model {model_name}, {args.dtype}, {env['device']} ({env.get('device_name')}, {env.get('num_threads')} threads); "
         f"torch {env['torch']}, transformers {env['transformers']}; commit {str(env.get('git_commit'))[:10]}"
@@ -389,10 +519,15 @@ def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], m
         "",
         "decode tok/s = tokens after each row's first / time after prefill (all rows); e2e includes prefill. "
         "Speedups are decode tok/s ratios against the same repeat's run. MAL = mean acceptance length "
-        "(1 + accepted / drafts); DAR = draft acceptance rate.",
+        "(1 + accepted / drafts); DAR = draft acceptance rate. bound = cost-model speedup "
+        "tau * t_full / (gamma * t_draft + t_verify + t_select) from this run's measured per-iteration costs, "
+        "next to the measured 'vs full'; sel % = selection time / iteration time (Quest's per-step scoring and "
+        "metadata updates included). identical = same tokens as our plain ('full') decoding"
+        + ("" if args.no_reuse_prefill else "; prefill computed once per cell and reused by every run (HF included), "
+           "so e2e tok/s and prefill times are not end-to-end numbers") + ".",
         "",
-        "| doc | ctx | B | config | decode tok/s | e2e tok/s | ms/iter | vs full | vs HF | MAL | DAR | prefill / draft / verify / select s | identical |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| doc | ctx | B | config | decode tok/s | e2e tok/s | ms/iter | vs full | bound | vs HF | MAL | DAR | sel % | prefill / draft / verify / select s | identical |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     keys = []
     for r in records:
@@ -409,8 +544,9 @@ def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], m
         split = " / ".join(_f(g(f)) for f in ("time_prefill_s", "time_draft_s", "time_verify_s", "time_select_s"))
         lines.append(
             f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {_f(g('decode_tokens_per_s'))} | {_f(g('tokens_per_s'))} | "
-            f"{_f(g('ms_per_iteration'), '{:.0f}')} | {_f(g('speedup_vs_full'))} | {_f(g('speedup_vs_hf'))} | "
-            f"{_f(g('mean_acceptance_length'))} | {_f(g('draft_acceptance_rate'))} | {split} | "
+            f"{_f(g('ms_per_iteration'), '{:.0f}')} | {_f(g('speedup_vs_full'))} | {_f(g('cost_model_speedup_bound'))} | "
+            f"{_f(g('speedup_vs_hf'))} | {_f(g('mean_acceptance_length'))} | {_f(g('draft_acceptance_rate'))} | "
+            f"{_f(None if g('select_overhead_share') is None else 100 * g('select_overhead_share'), '{:.1f}')} | {split} | "
             f"{'–' if ident is None else ('yes' if ident else '**no**')} |"
         )
     return "\n".join(lines) + "\n"

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_int("--num-speculative-tokens"), default=6,
                    help="draft tokens per iteration, gamma (default 6)")
     d.add_argument("--algorithm", default="vegas",
-                   help="sparse_attn_algorithm: vegas (default) or full (plain decoding through our cache and kernels)")
+                   help="sparse_attn_algorithm: vegas (default), streamingllm, quest, or full (plain decoding through our cache and kernels)")
     d.add_argument("--ratio", type=float, default=0.05, help="KV budget as a fraction of the context, in (0, 1] (default 0.05)")
     d.add_argument("--min-tokens", type=_int("--min-tokens"), default=256,
                    help="lower clamp of the KV budget in tokens (default 256)")
@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leading blocks always kept in the draft's KV set (default 1)")
     d.add_argument("--share-selection", action="store_true",
                    help="one block selection per layer shared by all KV heads (the authors' choice)")
+    d.add_argument("--query-weights", choices=("all", "first_last"), default="all",
+                   help="vegas: verification queries that score blocks: all (default) or first_last (the authors')")
+    d.add_argument("--refresh-interval", type=_int("--refresh-interval"), default=1,
+                   help="vegas: re-select the draft blocks only every N iterations (SparseSpec; default 1)")
     d.add_argument("--do-sample", action="store_true", help="sample (speculative sampling) instead of greedy decoding")
     d.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     d.add_argument("--top-k", type=_int("--top-k"), default=0, help="top-k filter, 0 = off (default)")
@@ -123,6 +127,8 @@ def _validate(args) -> None:
         raise CLIError("--min-tokens must be >= 0 and --max-tokens >= 1")
     if args.sink_blocks < 0:
         raise CLIError(f"--sink-blocks must be >= 0, got {args.sink_blocks}")
+    if args.refresh_interval < 1:
+        raise CLIError(f"--refresh-interval must be >= 1, got {args.refresh_interval}")
     if args.algorithm not in _algorithms():
         raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {', '.join(_algorithms())}")
     if args.do_sample:
@@ -441,6 +447,8 @@ def cmd_generate(args) -> int:
         block_size=args.block_size,
         num_sink_blocks=args.sink_blocks,
         share_selection_across_heads=args.share_selection,
+        query_weights=args.query_weights,
+        selection_refresh_interval=args.refresh_interval,
         do_sample=args.do_sample,
         temperature=args.temperature,
         top_k=args.top_k,

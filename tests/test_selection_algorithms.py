@@ -1,0 +1,363 @@
+"""Selection algorithms in the shared decode loop: ``streamingllm``, ``quest``, ``vegas`` variants.
+
+Tiny random-weight Llama / Qwen2 models (2 layers) on prompts of a few hundred tokens with a
+small budget (32 tokens = 2 blocks), so drafts are approximate and rejections (rollbacks) happen.
+Checks: greedy output equals HF ``generate`` (batch 1 and a ragged batch); the selected blocks
+respect the budget, the sinks and the tail; Quest's min/max metadata equals a recomputation from
+the cache at every draft step (after appends and rollbacks); prefill reuse; the selection time
+accounting; the benchmark harness end to end on a tiny model folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
+from vegas_ext import reference
+from vegas_ext.decode import (
+    SELECTION_ALGORITHMS,
+    VegasSelection,
+    budget_blocks,
+    generate,
+    register_selection_algorithm,
+)
+from vegas_ext.selection import QuestSelection, StreamingLLMSelection, streaming_indices
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 40
+GAMMA = 4
+SMALL = dict(sparse_attn_ratio=0.05, sparse_attn_min_tokens=32, block_size=16, eos_token_id=[])
+LENGTHS = {1: [300], 3: [300, 170, 241]}
+
+_MODELS = {}
+_REFS = {}
+
+
+def _model(family):
+    if family not in _MODELS:
+        _MODELS[family] = make_model(family)
+    return _MODELS[family]
+
+
+def _case(family, batch):
+    key = (family, batch)
+    if key not in _REFS:
+        m = _model(family)
+        ids, mask = make_prompts(m.config.vocab_size, LENGTHS[batch])
+        _REFS[key] = (ids, mask, hf_greedy(m, ids, mask, NEW, eos_token_id=[]))
+    return (_model(family),) + _REFS[key]
+
+
+VARIANTS = {
+    "streamingllm": dict(sparse_attn_algorithm="streamingllm"),
+    "quest": dict(sparse_attn_algorithm="quest"),
+    "vegas": dict(sparse_attn_algorithm="vegas"),
+    "vegas-first_last": dict(sparse_attn_algorithm="vegas", query_weights="first_last"),
+    "vegas-shared": dict(sparse_attn_algorithm="vegas", share_selection_across_heads=True),
+    "vegas-b1": dict(sparse_attn_algorithm="vegas", block_size=1),
+    "vegas-b64": dict(sparse_attn_algorithm="vegas", block_size=64),
+    "vegas-refresh3": dict(sparse_attn_algorithm="vegas", selection_refresh_interval=3),
+    "quest-b1-sinks2": dict(sparse_attn_algorithm="quest", block_size=1, num_sink_blocks=2),
+}
+
+
+def test_registry_has_rivals():
+    assert {"full", "vegas", "streamingllm", "quest"} <= set(SELECTION_ALGORITHMS)
+    for name in ("streamingllm", "quest"):
+        doc = SELECTION_ALGORITHMS[name].__doc__
+        assert "arXiv" in doc
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_lossless_greedy(variant, family, batch):
+    if family == "qwen2" and variant not in ("streamingllm", "quest", "vegas"):
+        pytest.skip("variants checked on llama")
+    model, ids, mask, ref = _case(family, batch)
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, **{**SMALL, **VARIANTS[variant]})
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    s = out.stats
+    assert s["num_draft_tokens"] > 0
+    # small budget: approximate drafts (not all accepted) that still help
+    assert s["num_accepted_tokens"] < s["num_draft_tokens"]
+    assert s["mean_acceptance_length"] > 1.0
+
+
+# ------------------------------------------------------------------ recorded selections
+_LOG = []
+
+
+@register_selection_algorithm("_test_rec_streamingllm")
+class _RecStreaming(StreamingLLMSelection):
+    def select(self, ctx):
+        idx = super().select(ctx)
+        _LOG.append((budget_blocks(ctx.lengths, self.cfg), ctx.tail_start.clone(), idx.clone(), ctx.iteration, None))
+        return idx
+
+
+@register_selection_algorithm("_test_rec_vegas")
+class _RecVegas(VegasSelection):
+    def select(self, ctx):
+        idx = super().select(ctx)
+        prev = None if ctx.previous is None else ctx.previous.clone()
+        _LOG.append((budget_blocks(ctx.lengths, self.cfg), ctx.tail_start.clone(), idx.clone(), ctx.iteration, prev))
+        return idx
+
+
+@register_selection_algorithm("_test_rec_quest")
+class _RecQuest(QuestSelection):
+    check_metadata = False
+    mismatches = []
+
+    def select(self, ctx):
+        super().select(ctx)
+        self._tail = ctx.tail_start.clone()
+        return None
+
+    def _choose(self, layer, q, k_cache, v_cache):
+        idx = super()._choose(layer, q, k_cache, v_cache)
+        _LOG.append((self._k.clone(), self._tail.clone(), idx.clone()[None], None, None))
+        if self.check_metadata:  # metadata of every block holding valid tokens == recomputation from the cache
+            bs = self.cfg.block_size
+            seq = self._state.cache.seq_lens
+            kmin = torch.full_like(self.key_min[layer], float("nan"))
+            kmax = torch.full_like(self.key_max[layer], float("nan"))
+            reference.block_minmax_update(kmin, kmax, k_cache, seq, torch.zeros_like(seq), bs)
+            for b in range(seq.shape[0]):
+                nb = -(-int(seq[b]) // bs)
+                ok = torch.equal(self.key_min[layer][b, :, :nb], kmin[b, :, :nb]) and torch.equal(
+                    self.key_max[layer][b, :, :nb], kmax[b, :, :nb])
+                if not ok:
+                    type(self).mismatches.append((layer, b, int(seq[b])))
+        return idx
+
+
+def _check_log(num_sink_blocks, exact_count=True):
+    assert _LOG
+    for k, tail, idx, _it, _prev in _LOG:
+        L, B, H, K = idx.shape
+        bs = SMALL["block_size"]
+        nc = (tail.long() + bs - 1) // bs
+        for b in range(B):
+            c = min(int(k[b]), int(nc[b]))
+            for layer in range(L):
+                for h in range(H):
+                    row = idx[layer, b, h]
+                    sel = row[row >= 0]
+                    assert len(sel) == len(set(sel.tolist()))  # unique
+                    assert bool((sel < nc[b]).all()), (sel, nc[b])  # before the tail
+                    assert len(sel) <= int(k[b])  # budget
+                    if exact_count:
+                        assert len(sel) == c
+                    sinks = set(range(min(num_sink_blocks, c)))
+                    assert sinks <= set(sel.tolist())  # sinks kept
+
+
+@pytest.mark.parametrize("alg", ["_test_rec_streamingllm", "_test_rec_vegas", "_test_rec_quest"])
+@pytest.mark.parametrize("share", [False, True])
+def test_selected_blocks_respect_budget_sinks_and_tail(alg, share):
+    if share and alg != "_test_rec_vegas":
+        pytest.skip("sharing is a vegas option")
+    model, ids, mask, ref = _case("llama", 3)
+    _LOG.clear()
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm=alg,
+                   num_sink_blocks=2, share_selection_across_heads=share, **SMALL)
+    assert torch.equal(out.sequences, ref)
+    _check_log(2)
+    if alg == "_test_rec_streamingllm":  # exactly the sinks + the most recent blocks
+        for k, tail, idx, _it, _prev in _LOG:
+            nc = ((tail.long() + 15) // 16).to(torch.int32)
+            exp = streaming_indices(k, nc, 2, idx.shape[-1])
+            assert torch.equal(idx[0, :, 0], exp)
+    if share:
+        for _k, _t, idx, _it, _p in _LOG:
+            assert bool((idx == idx[:, :, :1]).all())
+
+
+def test_streaming_indices_unit():
+    k = torch.tensor([3, 5, 2, 0, 4], dtype=torch.int32)
+    nc = torch.tensor([10, 3, 1, 5, 4], dtype=torch.int32)
+    idx = streaming_indices(k, nc, 1, 5)
+    assert idx.tolist() == [
+        [0, 8, 9, -1, -1],
+        [0, 1, 2, -1, -1],
+        [0, -1, -1, -1, -1],
+        [-1, -1, -1, -1, -1],
+        [0, 1, 2, 3, -1],
+    ]
+
+
+def test_refresh_interval_keeps_selection_between_refreshes():
+    model, ids, mask, ref = _case("llama", 3)
+    _LOG.clear()
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+                   sparse_attn_algorithm="_test_rec_vegas", selection_refresh_interval=3, **SMALL)
+    assert torch.equal(out.sequences, ref)
+    _check_log(1, exact_count=False)  # kept blocks lie before the (later) tail, within the older budget
+    kept = fresh = 0
+    for _k, _t, idx, it, prev in _LOG:
+        if prev is not None and it % 3 != 0:
+            assert torch.equal(idx, prev)
+            kept += 1
+        else:
+            fresh += 1
+    assert kept >= 2 and fresh >= 2
+    assert out.stats["selection_refresh_interval"] == 3
+
+
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_quest_metadata_equals_recomputation_after_appends_and_rollbacks(block_size):
+    model, ids, mask, ref = _case("llama", 3)
+    _LOG.clear()
+    _RecQuest.check_metadata = True
+    _RecQuest.mismatches = []
+    try:
+        out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+                       sparse_attn_algorithm="_test_rec_quest", return_cache=True,
+                       **{**SMALL, "block_size": block_size})
+    finally:
+        _RecQuest.check_metadata = False
+    assert torch.equal(out.sequences, ref)
+    s = out.stats
+    assert s["num_accepted_tokens"] < s["num_draft_tokens"]  # rejections -> rollbacks happened
+    assert len(_LOG) >= 2 * GAMMA  # checked at many draft steps
+    assert _RecQuest.mismatches == []
+
+
+def test_quest_metadata_after_generate_matches_cache():
+    """After the call, every block fully inside a row's committed length matches a recomputation."""
+    holder = {}
+
+    @register_selection_algorithm("_test_keep_quest")
+    class _Keep(QuestSelection):
+        def setup(self, state):
+            super().setup(state)
+            holder["s"] = self
+
+    model, ids, mask, ref = _case("llama", 3)
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+                   sparse_attn_algorithm="_test_keep_quest", return_cache=True, **SMALL)
+    assert torch.equal(out.sequences, ref)
+    strat, cache = holder["s"], out.cache
+    bs = 16
+    for layer, cl in enumerate(cache.layers):
+        kmin = torch.zeros_like(strat.key_min[layer])
+        kmax = torch.zeros_like(strat.key_max[layer])
+        reference.block_minmax_update(kmin, kmax, cl.keys, cache.lengths, torch.zeros_like(cache.lengths), bs)
+        for b in range(cache.lengths.shape[0]):
+            nfull = int(cache.lengths[b]) // bs
+            assert torch.equal(strat.key_min[layer][b, :, :nfull], kmin[b, :, :nfull])
+            assert torch.equal(strat.key_max[layer][b, :, :nfull], kmax[b, :, :nfull])
+    del SELECTION_ALGORITHMS["_test_keep_quest"]
+
+
+def test_quest_selection_time_is_accounted():
+    model, ids, mask, ref = _case("llama", 1)
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm="quest", **SMALL)
+    s = out.stats
+    assert s["time_select_inline_s"] > 0
+    assert s["time_select_s"] >= s["time_select_inline_s"] - 1e-9
+    assert 0 <= s["time_select_prefill_s"] <= s["time_select_inline_s"]
+    parts = s["time_prefill_s"] + s["time_draft_s"] + s["time_verify_s"] + s["time_select_s"]
+    assert min(s["time_prefill_s"], s["time_draft_s"], s["time_verify_s"]) >= 0
+    assert parts <= s["time_total_s"] * 1.001 + 1e-6
+    out_v = generate(model, ids, mask, max_new_tokens=8, sparse_attn_algorithm="vegas", **SMALL)
+    assert out_v.stats["time_select_inline_s"] == 0.0
+
+
+@pytest.mark.parametrize("alg", ["vegas", "quest", "streamingllm"])
+def test_prefill_cache_reuse_is_lossless(alg):
+    model, ids, mask, ref = _case("llama", 3)
+    pc = {}
+    first = generate(model, ids, mask, max_new_tokens=1, num_speculative_tokens=0, sparse_attn_algorithm="full",
+                     eos_token_id=[], prefill_cache=pc)
+    assert not first.stats["prefill_reused"] and pc["ids"].shape == (3, 299)
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm=alg,
+                   prefill_cache=pc, **SMALL)
+    assert out.stats["prefill_reused"]
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    other_ids, other_mask = make_prompts(model.config.vocab_size, LENGTHS[3], seed=7)
+    o2 = generate(model, other_ids, other_mask, max_new_tokens=4, sparse_attn_algorithm=alg, prefill_cache=pc, **SMALL)
+    assert not o2.stats["prefill_reused"]  # a different prompt is recomputed
+
+
+def test_refresh_interval_validation():
+    model, ids, mask, _ = _case("llama", 1)
+    with pytest.raises(ValueError, match="selection_refresh_interval"):
+        generate(model, ids, mask, max_new_tokens=2, selection_refresh_interval=0)
+
+
+# ------------------------------------------------------------------ the benchmark harness
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUN_FIELDS = [
+    "algorithm", "variant", "query_weights", "share_selection_across_heads", "selection_refresh_interval",
+    "context", "batch_size", "num_speculative_tokens", "sparse_attn_ratio", "block_size", "dtype", "device",
+    "torch", "transformers", "git_commit", "mean_acceptance_length", "draft_acceptance_rate",
+    "num_accepted_tokens_per_pos", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_full", "speedup_vs_hf",
+    "time_draft_s", "time_verify_s", "time_select_s", "identical_to_plain", "cost_model_speedup_bound",
+    "select_overhead_share",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_doc_model_dir(tmp_path_factory):
+    """A tiny Llama (2 layers, 512 positions) + a 600-word word-level tokenizer trained on the documents."""
+    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from vegas_ext import documents
+
+    folder = str(tmp_path_factory.mktemp("tiny-doc-llama"))
+    tk = Tokenizer(tmodels.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [documents.load_document(d)[:200_000] for d in ("pride_and_prejudice", "kjv")]
+    tk.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import e2e
+
+    out = tmp_path / "res"
+    argv = ["--model", tiny_doc_model_dir, "--docs", "pride_and_prejudice", "--context-lengths", "200,300",
+            "--batch-sizes", "1,2", "--algorithms", "hf,full,vegas,streamingllm,quest,vegas/first_last/shared/refresh=2/bs=1",
+            "--num-speculative-tokens", "3", "--ratios", "0.05,0.1", "--min-tokens", "16", "--max-new-tokens", "6",
+            "--repeats", "1", "--out", str(out), "--threads", "1"]
+    assert e2e.main(argv) == 0
+    recs = [json.loads(line) for line in open(out / "runs.jsonl")]
+    labels = {r["label"] for r in recs}
+    assert {"hf", "full"} <= labels
+    assert {r["algorithm"] for r in recs} == {"hf", "full", "vegas", "streamingllm", "quest"}
+    assert any(r["variant"] == "first_last/shared/refresh=2/bs=1" and r["block_size"] == 1
+               and r["query_weights"] == "first_last" and r["share_selection_across_heads"]
+               and r["selection_refresh_interval"] == 2 for r in recs)
+    assert len(recs) == 2 * 2 * (2 + 4 * 2)  # contexts x batches x configurations
+    for r in recs:
+        for f in RUN_FIELDS:
+            assert f in r, f
+        assert r["identical_to_plain"] is True, r["label"]
+        if r["algorithm"] not in ("hf", "full"):
+            assert r["mean_acceptance_length"] >= 1.0 and len(r["num_accepted_tokens_per_pos"]) == 3
+            assert r["cost_model_speedup_bound"] is not None and r["select_overhead_share"] is not None
+            assert r["speedup_vs_full"] is not None and r["speedup_vs_hf"] is not None
+    assert any(r["algorithm"] == "quest" and r["time_select_inline_s"] > 0 for r in recs)
+    md = (out / "summary.md").read_text()
+    assert "python bench/e2e.py --model" in md and "bound" in md
+    for png in ("mal_vs_ratio.png", "tokens_per_s_vs_context.png", "per_position_acceptance.png", "selection_overhead.png"):
+        assert (out / png).stat().st_size > 1000, png
