@@ -174,7 +174,24 @@ BAD = {
     "bad_dtype": (["--dtype", "int3"], "dtype"),
     "bad_top_p": (["--do-sample", "--top-p", "0"], "top-p"),
     "unknown_flag": (["--frobnicate"], "unrecognized"),
+    "refresh_zero": (["--refresh-interval", "0"], "refresh-interval"),
+    "bad_query_weights": (["--query-weights", "middle"], "query-weights"),
 }
+
+
+@pytest.mark.parametrize("algo", ["streamingllm", "quest", "vegas"])
+def test_rival_algorithms_and_vegas_options(algo, tiny_model_dir, capsys):
+    argv = ["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet", "--algorithm", algo,
+            "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--json", "--no-progress", "--compare"]
+    if algo == "vegas":
+        argv += ["--query-weights", "first_last", "--refresh-interval", "2"]
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["identical"] is True
+    assert d["stats"]["sparse_attn_algorithm"] == algo
+    if algo == "vegas":
+        assert d["stats"]["query_weights"] == "first_last" and d["stats"]["selection_refresh_interval"] == 2
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
