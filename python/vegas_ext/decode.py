@@ -16,7 +16,8 @@ One iteration (see ``shared/VEGAS.md``):
    verification score, sinks first (:func:`vegas_ext.ops.block_topk`), all layers in one call.
 
 Selection algorithms are pluggable (:func:`register_selection_algorithm`); ``"vegas"`` and
-``"full"`` (plain decoding through the same cache and kernels, the honest baseline) are built in.
+``"full"`` (plain decoding through the same cache and kernels, the honest baseline) are built in;
+the rivals ``"streamingllm"`` and ``"quest"`` live in :mod:`vegas_ext.selection`.
 """
 from __future__ import annotations
 
