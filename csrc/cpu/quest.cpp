@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/isa.h"
 
 namespace vegas {
 namespace cpu {
@@ -39,7 +40,7 @@ template <typename T, typename M>
 void minmax_impl(M* kmin, M* kmax, const T* k, const int32_t* lens, const int32_t* start,
                  int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t sb, int64_t sh,
                  int64_t st, int64_t bs) {
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, bs * D), [&](int64_t begin, int64_t end) {
     std::vector<float> mn(D), mx(D);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
@@ -113,7 +114,7 @@ template <typename Tq, typename M>
 void scores_impl(float* out, const Tq* q, const M* kmin, const M* kmax, const int32_t* nb,
                  int64_t B, int64_t Q, int64_t Hq, int64_t Hkv, int64_t N, int64_t D) {
   const int64_t G = Hq / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, N * Q * G * D / 8), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Q * G * D);
     std::vector<float> mn(D), mx(D);
     for (int64_t bg = begin; bg < end; ++bg) {

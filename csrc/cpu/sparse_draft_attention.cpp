@@ -58,7 +58,8 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
 
-  at::parallel_for(0, B * Hkv * nsplit, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hkv * nsplit, parallel_grain(B * Hkv * nsplit, R * split_len),
+                   [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D);
     std::vector<int64_t> pos(R);
     std::vector<float> scratch(Scratch::floats(R, D), 0.f);
@@ -91,7 +92,7 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 
   at::Tensor out32 = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   float* outf = out32.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, R * D), [&](int64_t begin, int64_t end) {
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
       for (int r = 0; r < R; ++r) {

@@ -55,7 +55,8 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   // per (b, g): bsum [R, N]
   std::vector<float> bsum_all(B * Hkv * R * N, 0.f);
 
-  at::parallel_for(0, B * Hkv * nsplit, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = parallel_grain(B * Hkv * nsplit, R * split_len);
+  at::parallel_for(0, B * Hkv * nsplit, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D);
     std::vector<int64_t> pos(R);
     std::vector<float> scratch(Scratch::floats(R, D), 0.f);
@@ -108,7 +109,7 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   float* lsep = lse.data_ptr<float>();
   float* scp = scores.data_ptr<float>();
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, R * N), [&](int64_t begin, int64_t end) {
     std::vector<float> row_lse(R);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
