@@ -34,7 +34,7 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
   if (max_k == 0 || B * H == 0) return out;
   const float* sp = scores.data_ptr<float>();
   int32_t* op_ = out.data_ptr<int32_t>();
-  at::parallel_for(0, B * H, parallel_grain(B * H, N), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * H, parallel_grain(B * H, N, /*min_work=*/int64_t(1) << 18), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> cand;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / H;

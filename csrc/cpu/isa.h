@@ -53,9 +53,10 @@ inline int64_t choose_num_splits(int64_t tasks, int64_t max_tokens, int64_t thre
 // costs more than it saves there and, on a busy machine, a descheduled worker stalls the
 // join (measured: a sparse draft call 0.5 ms single-threaded vs 15 ms with 2 threads on a
 // loaded 2-core machine).
-inline int64_t parallel_grain(int64_t tasks, int64_t work) {
-  constexpr int64_t kMinParallelWork = int64_t(1) << 16;
-  return tasks * work < kMinParallelWork ? std::max<int64_t>(tasks, 1) : 1;
+// `min_work` is the total below which one thread runs everything (default: 64K row-tokens,
+// about 0.1 ms of attention work).
+inline int64_t parallel_grain(int64_t tasks, int64_t work, int64_t min_work = int64_t(1) << 16) {
+  return tasks * work < min_work ? std::max<int64_t>(tasks, 1) : 1;
 }
 
 }  // namespace cpu
