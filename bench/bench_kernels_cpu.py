@@ -51,9 +51,15 @@ def main():
     scale = D ** -0.5
     meta = run_metadata("cpu")
     rows = []
-    print(f"# {meta['device_name']}, torch {meta['torch']}, commit {meta['commit']}, dtype {args.dtype}, batch {B}")
-    print("| kernel | S | ours ms | baseline | baseline ms | speedup |")
-    print("|---|---|---|---|---|---|")
+    lines = []
+
+    def emit(line=""):  # print and keep for the Markdown file
+        lines.append(line)
+        print(line)
+
+    emit(f"# {meta['device_name']}, torch {meta['torch']}, commit {meta['commit']}, dtype {args.dtype}, batch {B}")
+    emit("| kernel | S | ours ms | baseline | baseline ms | speedup |")
+    emit("|---|---|---|---|---|---|")
     last = None
     for S in args.seq_lens:
         q = torch.randn(B, Q, Hq, D, dtype=dt)
@@ -70,7 +76,7 @@ def main():
             r = dict(meta, kernel="verify_attention", S=S, B=B, Q=Q, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, dtype=args.dtype,
                      ours_ms=t["ours"] * 1e3, baseline=base, baseline_ms=t[base] * 1e3, speedup=t[base] / t["ours"])
             rows.append(r)
-            print(f"| verify_attention (Q=7, GQA 4, +block scores) | {S} | {r['ours_ms']:.2f} | {base} | {r['baseline_ms']:.2f} | {r['speedup']:.2f}x |")
+            emit(f"| verify_attention (Q=7, GQA 4, +block scores) | {S} | {r['ours_ms']:.2f} | {base} | {r['baseline_ms']:.2f} | {r['speedup']:.2f}x |")
         last = (S, q, k, v, lens, t["ours"])
 
     S, q, k, v, lens, t_verify = last
@@ -89,7 +95,7 @@ def main():
         r = dict(meta, kernel="sparse_draft_attention", S=S, B=B, Q=1, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, dtype=args.dtype,
                  budget_ratio=0.05, ours_ms=t["ours"] * 1e3, baseline=base, baseline_ms=t[base] * 1e3, speedup=t[base] / t["ours"])
         rows.append(r)
-        print(f"| sparse_draft_attention (5% budget) | {S} | {r['ours_ms']:.3f} | {base} | {r['baseline_ms']:.2f} | {r['speedup']:.1f}x |")
+        emit(f"| sparse_draft_attention (5% budget) | {S} | {r['ours_ms']:.3f} | {base} | {r['baseline_ms']:.2f} | {r['speedup']:.1f}x |")
 
     scores = torch.rand(4, 8, 2048)
     kk = torch.full((4,), 103, dtype=torch.int32)
@@ -99,10 +105,14 @@ def main():
     r = dict(meta, kernel="block_topk", B=4, H=8, N=2048, k=103, dtype="float32", ours_ms=t["topk"] * 1e3,
              baseline=f"verify_attention S={S}", baseline_ms=t_verify * 1e3, share_of_verify=share)
     rows.append(r)
-    print(f"| block_topk (4x8x2048, k=103) | - | {r['ours_ms']:.3f} | one verify_attention at S={S} | {r['baseline_ms']:.2f} | {share * 100:.2f}% of it |")
+    emit(f"| block_topk (4x8x2048, k=103) | - | {r['ours_ms']:.3f} | one verify_attention at S={S} | {r['baseline_ms']:.2f} | {share * 100:.2f}% of it |")
     out = Path(args.out)
     write_rows(out.with_suffix(".jsonl"), rows)
-    print(f"wrote {out.with_suffix('.jsonl')}")
+    cmd = "python bench/bench_kernels_cpu.py " + " ".join(sys.argv[1:])
+    out.with_suffix(".md").write_text(
+        f"Command: `{cmd.strip()}` (medians of {args.repeats} interleaved repeats)\n\n" + "\n".join(lines) + "\n"
+    )
+    print(f"wrote {out.with_suffix('.jsonl')} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
