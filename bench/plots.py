@@ -3,8 +3,9 @@
 
 Writes, into the results folder:
 
-* ``mal_vs_ratio.png``: mean acceptance length vs KV budget ratio, one line per algorithm
-  configuration (and context / batch when several);
+* ``mal_vs_ratio.png``: mean acceptance length (pooled: 1 + all accepted / all drafts of the runs,
+  e.g. over documents) vs KV budget ratio, one line per algorithm configuration (and context /
+  batch when several);
 * ``tokens_per_s_vs_context.png``: decode tokens/s vs context length per configuration and batch;
 * ``per_position_acceptance.png``: fraction of drafts whose j-th token was accepted, per configuration;
 * ``selection_overhead.png``: selection time as a share of an iteration, per configuration.
@@ -58,14 +59,15 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
     groups = defaultdict(lambda: defaultdict(list))
     for r in spec:
         key = _base_label(r) + (f" ctx{r['context']} B{r['batch_size']}" if multi else "")
-        groups[key][r["sparse_attn_ratio"]].append(r["mean_acceptance_length"])
+        groups[key][r["sparse_attn_ratio"]].append((r.get("num_accepted_tokens") or 0, r.get("num_drafts") or 0))
     if any(len(v) > 1 for v in groups.values()) or groups:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for key, by_ratio in sorted(groups.items()):
             xs = sorted(by_ratio)
-            ax.plot(xs, [_med(by_ratio[x]) for x in xs], marker="o", label=key)
+            ys = [1 + sum(a for a, _ in by_ratio[x]) / max(1, sum(d for _, d in by_ratio[x])) for x in xs]
+            ax.plot(xs, ys, marker="o", label=key)
         ax.set_xlabel("KV budget ratio")
-        ax.set_ylabel("mean acceptance length")
+        ax.set_ylabel("mean acceptance length (pooled over runs)")
         ax.set_title("Acceptance vs budget")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
