@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -15,7 +16,14 @@ struct AttnDims {
   int64_t B, Q, Hq, Hkv, S, D, group;  // group = H_q / H_kv (GQA ratio)
 };
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Overflow-safe ceil(a / b) for a >= 0, b >= 1 (block_size may be as large as INT64_MAX).
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// A block longer than the cache holds the whole cache: compute with that length, so
+// huge block sizes neither overflow nor allocate (block indices and scores are unchanged).
+inline int64_t effective_block_size(int64_t block_size, int64_t S) {
+  return std::min<int64_t>(block_size, std::max<int64_t>(S, 1));
+}
 
 inline bool is_attn_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;

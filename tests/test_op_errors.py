@@ -136,3 +136,70 @@ def test_topk_bad_input(name, impl):
     fn = torch.ops.vegas.block_topk if impl == "kernel" else ops._topk_fallback
     with pytest.raises(ERR, match=needle):
         fn(**topk_args(**over))
+
+
+# --- non-finite inputs, extreme block sizes, autograd, fakes ---------------------------------
+
+
+@pytest.mark.parametrize("S", [10, 2048])  # 2048: several token splits per row
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_nan_propagates_instead_of_vanishing(S, where):
+    """NaN in q or k gives NaN outputs (as the reference), never a plausible finite answer."""
+    q, k, v = torch.randn(1, 1, 2, 16), torch.randn(1, 1, S, 16), torch.randn(1, 1, S, 16)
+    (q if where == "q" else k)[0, 0, 0 if where == "q" else 3, 0] = float("nan")
+    lens = torch.tensor([S], dtype=torch.int32)
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, 16, 0.25, None)
+    assert torch.isnan(out[0, 0, 0]).all() and torch.isnan(lse[0, 0]).all()
+    assert not torch.isinf(bsc).any()
+    idx = torch.tensor([[[0]]], dtype=torch.int32)
+    d = torch.ops.vegas.sparse_draft_attention(q, k, v, idx, torch.tensor([S - 1], dtype=torch.int32), lens, 16, 0.25)
+    assert torch.isnan(d[0, 0, 0]).all()
+
+
+def test_pos_inf_key_matches_reference_and_neg_inf_score_is_masked():
+    S = 2048
+    for sign in (1.0, -1.0):
+        q, k, v = torch.randn(1, 1, 1, 16), torch.randn(1, 1, S, 16), torch.randn(1, 1, S, 16)
+        q[..., 0] = sign * q[..., 0].abs()
+        k[0, 0, 100, 0] = float("inf")
+        lens = torch.tensor([S], dtype=torch.int32)
+        got = torch.ops.vegas.verify_attention(q, k, v, lens, 16, 0.25, None)[0]
+        want = ops.reference.verify_attention(q, k, v, lens, 16, 0.25)[0]
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("block_size", [2**62, 2**63 - 1])
+def test_huge_block_size_is_one_block(block_size):
+    q, k, v, lens = base()
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, block_size, 0.125, None)
+    assert bsc.shape == (B, Hkv, 1)
+    torch.testing.assert_close(bsc[..., 0], torch.full((B, Hkv), float(Q * Hq // Hkv)))
+    ref = ops.reference.verify_attention(q, k, v, lens, S, 0.125)
+    torch.testing.assert_close(out, ref[0])
+    d = torch.ops.vegas.sparse_draft_attention(q[:, :1], k, v, torch.zeros(B, Hkv, 1, dtype=torch.int32), torch.tensor([30, 10], dtype=torch.int32), lens, block_size, 0.125)
+    assert torch.isfinite(d).all()
+
+
+def test_k_and_v_with_different_strides():
+    q, k, v, lens = base()
+    v2 = v.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hkv, S, D] view with other strides
+    got = torch.ops.vegas.verify_attention(q, k, v2, lens, BS, 0.125, None)[0]
+    torch.testing.assert_close(got, ops.reference.verify_attention(q, k, v, lens, BS, 0.125)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_backward_raises_clear_error():
+    q, k, v, lens = base()
+    q.requires_grad_(True)
+    out = torch.ops.vegas.verify_attention(q, k, v, lens, BS, 0.125, None)[0]
+    with pytest.raises(RuntimeError, match="no backward"):
+        out.sum().backward()
+
+
+def test_quest_fakes_validate_like_kernels():
+    q = torch.randn(2, 2, 4, 4, device="meta")
+    mn = torch.randn(1, 2, 3, 4, device="meta")
+    with pytest.raises(ERR, match="key_min"):
+        torch.ops.vegas.quest_block_scores(q, mn, mn, torch.tensor([2, 2], dtype=torch.int32, device="meta"))
+    k = torch.randn(2, 3, 40, 64, device="meta")
+    with pytest.raises(ERR, match="key_min"):
+        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 4, 64, device="meta"), torch.zeros(2, 3, 4, 64, device="meta"), k, torch.zeros(2, dtype=torch.int32, device="meta"), torch.zeros(2, dtype=torch.int32, device="meta"), 16)

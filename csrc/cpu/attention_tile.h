@@ -157,18 +157,18 @@ static inline void pv_rows(const float* p, const float* const* vrow, int D, int 
 // Row pointers of the tile's K and V as fp32: the cache itself for fp32, else a
 // converted copy in the scratch buffers.
 template <typename T>
-static inline void load_tile(const T* k, const T* v, int64_t stride_t, const int64_t* tok,
+static inline void load_tile(const T* k, const T* v, int64_t k_st, int64_t v_st, const int64_t* tok,
                              int nt, int D, const Scratch& ws, const float** krow,
                              const float** vrow) {
   if constexpr (std::is_same_v<T, float>) {
     for (int j = 0; j < nt; ++j) {
-      krow[j] = k + tok[j] * stride_t;
-      vrow[j] = v + tok[j] * stride_t;
+      krow[j] = k + tok[j] * k_st;
+      vrow[j] = v + tok[j] * v_st;
     }
   } else {
     for (int j = 0; j < nt; ++j) {
-      const T* kr = k + tok[j] * stride_t;
-      const T* vr = v + tok[j] * stride_t;
+      const T* kr = k + tok[j] * k_st;
+      const T* vr = v + tok[j] * v_st;
       float* kd = ws.kt + j * D;
       float* vd = ws.vt + j * D;
       for (int d = 0; d < D; ++d) kd[d] = to_f(kr[d]);
@@ -181,9 +181,10 @@ static inline void load_tile(const T* k, const T* v, int64_t stride_t, const int
 
 // Attend R rows to n tokens -- token i is list[i], or first + i when list is null --
 // updating the online-softmax state m[R], l[R], acc[R, D] (acc un-normalized,
-// relative to m). k/v point at token 0 of this KV head; stride_t is the token stride.
+// relative to m). k/v point at token 0 of this KV head; k_st / v_st are their token strides.
+// NaN or +inf scores poison the row (l becomes NaN), so they propagate like the reference.
 template <typename T>
-void attend(const Rows& rows, const T* k, const T* v, int64_t stride_t, const int64_t* list,
+void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st, const int64_t* list,
             int64_t first, int64_t n, const Scratch& ws, float* m, float* l, float* acc,
             const BlockSums* blk) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -198,7 +199,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t stride_t, const in
       for (int j = 0; j < nt; ++j) ws.tok[j] = list[i0 + j];
     else
       for (int j = 0; j < nt; ++j) ws.tok[j] = first + i0 + j;
-    load_tile(k, v, stride_t, ws.tok, nt, D, ws, krow, vrow);
+    load_tile(k, v, k_st, v_st, ws.tok, nt, D, ws, krow, vrow);
     bool straddle = false;
     if (blk) {
       for (int j = 0; j < nt; ++j)

@@ -13,9 +13,24 @@ namespace cpu {
 // Writes out[0:D] = sum_sp acc_sp * exp(m_sp - lse) and returns lse (natural log).
 inline float combine_row(const float* m, const float* l, const float* acc, int64_t nsplit,
                          int64_t stride, int64_t D, float* out) {
+  // A split that saw no token has l == 0 and is skipped; a split whose state is NaN (NaN or
+  // +inf among its scores) poisons the row, as in the reference.
   float M = -std::numeric_limits<float>::infinity();
-  for (int64_t sp = 0; sp < nsplit; ++sp)
-    if (l[sp * stride] > 0.f) M = std::max(M, m[sp * stride]);
+  bool poisoned = false;
+  for (int64_t sp = 0; sp < nsplit; ++sp) {
+    const float ls = l[sp * stride], ms = m[sp * stride];
+    if (ls == 0.f) continue;
+    if (!(ls > 0.f) || !std::isfinite(ms) || !std::isfinite(ls)) {
+      poisoned = true;
+      continue;
+    }
+    M = std::max(M, ms);
+  }
+  if (poisoned) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t e = 0; e < D; ++e) out[e] = nan;
+    return nan;
+  }
   float tot = 0.f;
   for (int64_t sp = 0; sp < nsplit; ++sp)
     if (l[sp * stride] > 0.f) tot += l[sp * stride] * std::exp(m[sp * stride] - M);

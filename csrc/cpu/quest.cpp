@@ -105,7 +105,7 @@ void block_minmax_update_cpu(at::Tensor& key_min, at::Tensor& key_max, const at:
       minmax_impl<KT, scalar_t>(key_min.data_ptr<scalar_t>(), key_max.data_ptr<scalar_t>(),
                                 k_cache.data_ptr<KT>(), lens, st, B, Hkv, N, D,
                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                block_size);
+                                effective_block_size(block_size, S));
     });
   });
 }

@@ -26,12 +26,12 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 template <typename T>
 void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const int32_t* idx, int64_t K, const int32_t* tail, const int32_t* lens,
-                const AttnDims& d, int64_t bs, double scale, at::Tensor& out) {
+                const AttnDims& d, int64_t block_size, double scale, at::Tensor& out) {
+  const int64_t bs = effective_block_size(block_size, d.S);
   const int64_t B = d.B, Q = d.Q, Hkv = d.Hkv, G = d.group, D = d.D;
   const int R = static_cast<int>(Q * G);
-  TORCH_CHECK(k_cache.strides() == v_cache.strides(),
-              "sparse_draft_attention: k_cache and v_cache must have the same strides");
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), kt = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vt = v_cache.stride(2);
 
   // token lists, per (b, g)
   std::vector<std::vector<int64_t>> lists(B * Hkv);
@@ -84,7 +84,7 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       Rows rows{R, static_cast<int>(D), qf.data(), pos.data()};
       Scratch ws{scratch.data(), scratch.data() + D * kTile, scratch.data() + 2 * D * kTile,
                  tok.data(), bo.data()};
-      VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * kb + g * kh, kt,
+      VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt,
                      lst.data() + i0, 0, i1 - i0, ws, m_all.data() + base,
                      l_all.data() + base, acc_all.data() + base * D, nullptr);
     }

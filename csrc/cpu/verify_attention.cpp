@@ -27,9 +27,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const int32_t* lens, const float* qw, const AttnDims& d, int64_t bs,
+                 const int32_t* lens, const float* qw, const AttnDims& d, int64_t block_size,
                  double scale, at::Tensor& out, at::Tensor& lse, at::Tensor& scores) {
   const int64_t B = d.B, Q = d.Q, Hkv = d.Hkv, G = d.group, D = d.D, S = d.S;
+  const int64_t bs = effective_block_size(block_size, S);
   const int R = static_cast<int>(Q * G);
   const int64_t N = ceil_div(S, bs);
   int64_t max_len = 0;
@@ -44,8 +45,6 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const T* vp = v_cache.data_ptr<T>();
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), kt = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vt = v_cache.stride(2);
-  TORCH_CHECK(kb == vb && kh == vh && kt == vt,
-              "verify_attention: k_cache and v_cache must have the same strides");
 
   auto fopt = at::TensorOptions().dtype(at::kFloat);
   // per (b, g, split): m [R], l [R], acc [R, D], mt [R, ntiles]
@@ -93,7 +92,7 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                    scratch.data() + 2 * D * kTile, tok.data(), bo.data()};
       const T* kbase = kp + b * kb + g * kh;
       const T* vbase = vp + b * vb + g * vh;
-      VEGAS_ISA_CALL(attend<T>, rows, kbase, vbase, kt, nullptr, t0, t1 - t0, ws, m, l, acc,
+      VEGAS_ISA_CALL(attend<T>, rows, kbase, vbase, kt, vt, nullptr, t0, t1 - t0, ws, m, l, acc,
                      &blk);
     }
   });

@@ -415,16 +415,65 @@ def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: 
     return torch.ops.vegas.quest_block_scores(q, key_min, key_max, num_blocks)
 
 
+def _check_meta(op, key_min, key_max, B, D):
+    if key_min.dim() != 4 or key_min.shape[0] != B or key_min.shape[3] != D:
+        _fail(op, f"key_min must have shape [B, H_kv, N, D] = [{B}, H_kv, N, {D}], got {tuple(key_min.shape)}")
+    if key_max.shape != key_min.shape:
+        _fail(op, f"key_max must have the shape of key_min {tuple(key_min.shape)}, got {tuple(key_max.shape)}")
+    if key_min.dtype not in _ATTN_DTYPES or key_max.dtype != key_min.dtype:
+        _fail(op, f"key_min and key_max must share one dtype among float32, bfloat16, float16, got {key_min.dtype} and {key_max.dtype}")
+
+
+def _check_int32_vec(op, name, t, B, device):
+    if t.dim() != 1 or t.shape[0] != B or t.dtype != torch.int32:
+        _fail(op, f"{name} must be int32 of shape [B] = [{B}], got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        _fail(op, f"{name} must be on the same device as the other tensors ({device}), got {t.device}")
+
+
 @torch.library.register_fake("vegas::block_minmax_update")
 def _minmax_fake(key_min, key_max, k_cache, seq_lens, start, block_size):
+    op = "block_minmax_update"
+    if k_cache.dim() != 4:
+        _fail(op, f"k_cache must be 4-D [B, H_kv, S, D], got shape {tuple(k_cache.shape)}")
+    if block_size < 1:
+        _fail(op, f"block_size must be >= 1, got {block_size}")
+    B, Hkv, S, D = k_cache.shape
+    _check_meta(op, key_min, key_max, B, D)
+    if key_min.shape[1] != Hkv or key_min.shape[2] != -(-S // block_size):
+        _fail(op, f"key_min must have shape [B, H_kv, ceil(S / block_size), D] = [{B}, {Hkv}, {-(-S // block_size)}, {D}], got {tuple(key_min.shape)}")
+    _check_int32_vec(op, "seq_lens", seq_lens, B, k_cache.device)
+    _check_int32_vec(op, "start", start, B, k_cache.device)
     return None
 
 
 @torch.library.register_fake("vegas::quest_block_scores")
 def _quest_fake(q, key_min, key_max, num_blocks):
-    if q.dim() != 4 or key_min.dim() != 4:
-        _fail("quest_block_scores", "q must be [B, Q, H_q, D] and key_min [B, H_kv, N, D]")
-    return q.new_empty((q.shape[0], key_min.shape[1], key_min.shape[2]), dtype=torch.float32)
+    op = "quest_block_scores"
+    if q.dim() != 4:
+        _fail(op, f"q must be 4-D [B, Q, H_q, D], got shape {tuple(q.shape)}")
+    B, Q, Hq, D = q.shape
+    _check_meta(op, key_min, key_max, B, D)
+    Hkv = key_min.shape[1]
+    if Hkv <= 0 or Hq % Hkv != 0:
+        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
+    _check_int32_vec(op, "num_blocks", num_blocks, B, q.device)
+    return q.new_empty((B, Hkv, key_min.shape[2]), dtype=torch.float32)
+
+
+def _no_backward(op):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"vegas::{op} is an inference kernel and has no backward; call it under torch.no_grad() "
+            "or torch.inference_mode(), or detach its inputs"
+        )
+
+    return backward
+
+
+# Differentiating through the ops raises a clear error instead of silently returning no gradient.
+for _op in ("verify_attention", "sparse_draft_attention", "quest_block_scores"):
+    torch.library.register_autograd(f"vegas::{_op}", _no_backward(_op))
 
 
 # ---------------------------------------------------------------------------
