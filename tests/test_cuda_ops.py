@@ -180,6 +180,20 @@ def test_emulated_block_topk(case, kind):
     assert torch.equal(emu.block_topk(s, k, nc, max_k, sinks, True), reference.block_topk(s, k, nc, max_k, sinks))
 
 
+@pytest.mark.parametrize("path", EMU_PATHS, ids=_path_id)
+def test_emulated_nan_propagates(path):
+    """A NaN key poisons the rows that see it (as the reference), also across splits."""
+    emu = _emu()
+    dtype, simt, min_tiles = path
+    q = torch.randn(1, 1, 2, 64).to(dtype)
+    k = torch.randn(1, 1, 600, 64).to(dtype)
+    v = torch.randn(1, 1, 600, 64).to(dtype)
+    k[0, 0, 3, 0] = float("nan")
+    lens = torch.tensor([600], dtype=torch.int32)
+    out, lse, bsc = emu.verify_attention(q, k, v, lens, 16, 0.125, None, simt, 3, True, min_tiles)
+    assert torch.isnan(out).all() and torch.isnan(lse).all() and not torch.isinf(bsc).any()
+
+
 def test_emulated_unchecked_values_do_not_crash():
     """Under graph capture the value checks are skipped: out-of-range seq_lens, tail_start
     and block indices must be clamped / masked by the kernels (garbage out, no OOB)."""

@@ -563,15 +563,22 @@ static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_lse_kernel(const CombineP
   const int b = bg / c.Hkv;
   const int g = bg - b * c.Hkv;
   const int64_t ml = int64_t(bg) * c.np * c.R + r;
+  // A split whose running sum is NaN (NaN or +inf among its scores) poisons the row, as in
+  // the reference; splits that saw no token (l == 0) are skipped.
   float M = kNegInf;
-  for (int q = 0; q < c.np; ++q)
-    if (c.part_l[ml + int64_t(q) * c.R] > 0.f) M = fmax_(M, c.part_m[ml + int64_t(q) * c.R]);
+  bool poisoned = false;
+  for (int q = 0; q < c.np; ++q) {
+    const float lq = c.part_l[ml + int64_t(q) * c.R];
+    const float mq = c.part_m[ml + int64_t(q) * c.R];
+    if (lq != lq || mq != mq || lq > 3.4e38f) poisoned = true;
+    if (lq > 0.f) M = fmax_(M, mq);
+  }
   float tot = 0.f;
   for (int q = 0; q < c.np; ++q) {
     const float lq = c.part_l[ml + int64_t(q) * c.R];
     if (lq > 0.f) tot += lq * fast_exp2(c.part_m[ml + int64_t(q) * c.R] - M);
   }
-  const float v = tot > 0.f ? M + fast_log2(tot) : kNegInf;
+  const float v = poisoned ? nanf("") : (tot > 0.f ? M + fast_log2(tot) : kNegInf);
   lse2[int64_t(bg) * c.R + r] = v;
   if (c.lse) {
     const int i = r / c.G;
