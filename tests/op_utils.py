@@ -70,3 +70,28 @@ def random_selection(B, Hkv, nblocks, K, *, seed=0, pad=1):
         r[: max(0, min(K, nblocks) - pad)] = perm[: max(0, min(K, nblocks) - pad)].int()
         rows.append(r)
     return torch.stack(rows).view(B, Hkv, K)
+
+
+def verify_case(shape, dtype, *, device="cpu", query_weights=None, seed=0):
+    """Run torch.ops.vegas.verify_attention and the reference on one random case.
+    Returns ((q, k, v, lens, scale), kernel outputs, reference outputs)."""
+    B, Q, Hq, Hkv, D, S, bs = shape
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=seed, device=device)
+    scale = D ** -0.5
+    got = torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, query_weights)
+    want = reference.verify_attention(q, k, v, lens, bs, scale, query_weights)
+    return (q, k, v, lens, scale), got, want
+
+
+def assert_verify_matches(shape, dtype, case):
+    """Shapes, dtypes and per-dtype error bounds of verify_attention's three outputs."""
+    (q, k, v, lens, scale), (out, lse, bsc), (out_r, lse_r, bsc_r) = case
+    B, Q, Hq, Hkv, D, S, bs = shape
+    assert out.shape == (B, Q, Hq, D) and out.dtype == dtype
+    assert lse.shape == (B, Hq, Q) and lse.dtype == torch.float32
+    assert bsc.shape == (B, Hkv, math.ceil(S / bs)) and bsc.dtype == torch.float32
+    allowed = reference.causal_allowed_mask(lens, Q, S, q.device).unsqueeze(1)
+    assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
+    assert max_err(lse, lse_r) <= 1e-4 * max(1.0, lse_r.abs().max().item())
+    # block scores are sums of probabilities computed in fp32 from the same inputs
+    assert max_err(bsc, bsc_r) <= 1e-4 * Q * (Hq // Hkv)

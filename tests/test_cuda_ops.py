@@ -23,7 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from op_utils import ATTN_SHAPES, make_inputs, max_err, out_error_bound, random_selection, shape_id
+from op_utils import (
+    ATTN_SHAPES,
+    assert_verify_matches,
+    make_inputs,
+    max_err,
+    out_error_bound,
+    random_selection,
+    shape_id,
+    verify_case,
+)
 from vegas_ext import ops, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,27 +241,16 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _verify_case(shape, dtype, query_weights=None, seed=0):
-    B, Q, Hq, Hkv, D, S, bs = shape
-    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=seed, device=CUDA)
-    scale = D ** -0.5
-    got = torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, query_weights)
-    want = reference.verify_attention(q, k, v, lens, bs, scale, query_weights)
-    return (q, k, v, lens, scale), got, want
+    return verify_case(shape, dtype, device=CUDA, query_weights=query_weights, seed=seed)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", VERIFY_SHAPES, ids=shape_id)
 def test_verify_attention_matches_reference(shape, dtype, kernel_path):
-    (q, k, v, lens, scale), (out, lse, bsc), (out_r, lse_r, bsc_r) = _verify_case(shape, dtype)
-    B, Q, Hq, Hkv, D, S, bs = shape
-    assert out.shape == (B, Q, Hq, D) and out.dtype == dtype and out.is_cuda
-    assert lse.shape == (B, Hq, Q) and lse.dtype == torch.float32
-    assert bsc.shape == (B, Hkv, math.ceil(S / bs)) and bsc.dtype == torch.float32
-    allowed = reference.causal_allowed_mask(lens, Q, S, q.device).unsqueeze(1)
-    assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
-    assert max_err(lse, lse_r) <= 1e-4 * max(1.0, lse_r.abs().max().item())
-    assert max_err(bsc, bsc_r) <= 1e-4 * Q * (Hq // Hkv)
+    case = _verify_case(shape, dtype)
+    assert case[1][0].is_cuda
+    assert_verify_matches(shape, dtype, case)
 
 
 @gpu

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from op_utils import ATTN_SHAPES, make_inputs, max_err, out_error_bound, shape_id
+from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, shape_id, verify_case
 from vegas_ext import ops, reference
 
 SHAPES = ATTN_SHAPES
@@ -12,27 +12,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _run(shape, dtype, query_weights=None, seed=0):
-    B, Q, Hq, Hkv, D, S, bs = shape
-    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=seed)
-    scale = D ** -0.5
-    got = torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, query_weights)
-    want = reference.verify_attention(q, k, v, lens, bs, scale, query_weights)
-    return (q, k, v, lens, scale), got, want
+    return verify_case(shape, dtype, query_weights=query_weights, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_matches_reference(shape, dtype):
-    (q, k, v, lens, scale), (out, lse, bsc), (out_r, lse_r, bsc_r) = _run(shape, dtype)
-    B, Q, Hq, Hkv, D, S, bs = shape
-    assert out.shape == (B, Q, Hq, D) and out.dtype == dtype
-    assert lse.shape == (B, Hq, Q) and lse.dtype == torch.float32
-    assert bsc.shape == (B, Hkv, math.ceil(S / bs)) and bsc.dtype == torch.float32
-    allowed = reference.causal_allowed_mask(lens, Q, S, q.device).unsqueeze(1)
-    assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
-    assert max_err(lse, lse_r) <= 1e-4 * max(1.0, lse_r.abs().max().item())
-    # block scores are sums of probabilities computed in fp32 from the same inputs
-    assert max_err(bsc, bsc_r) <= 1e-4 * Q * (Hq // Hkv)
+    assert_verify_matches(shape, dtype, _run(shape, dtype))
 
 
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[4]], ids=str)
