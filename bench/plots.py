@@ -4,11 +4,15 @@
 Writes, into the results folder:
 
 * ``mal_vs_ratio.png``: mean acceptance length (pooled: 1 + all accepted / all drafts of the runs,
-  e.g. over documents) vs KV budget ratio, one line per algorithm configuration (and context /
-  batch when several);
-* ``tokens_per_s_vs_context.png``: decode tokens/s vs context length per configuration and batch;
-* ``per_position_acceptance.png``: fraction of drafts whose j-th token was accepted, per configuration;
+  e.g. over documents) vs KV budget ratio, one panel per (context, batch), one line per algorithm
+  configuration;
+* ``tokens_per_s_vs_context.png``: decode tokens/s vs context length, one panel per (batch, ratio),
+  plain decoding (``hf``, ``full``) in every panel;
+* ``per_position_acceptance.png``: fraction of drafts whose j-th token was accepted, one panel per
+  gamma, one line per configuration;
 * ``selection_overhead.png``: selection time as a share of an iteration, per configuration.
+
+Colour = algorithm, line style = gamma.
 
 Usage: ``python bench/plots.py bench/results/<name>/runs.jsonl`` (or call :func:`write_plots`).
 """
@@ -47,76 +51,126 @@ def _save(fig, path):
     return path
 
 
+_COLORS = {"vegas": "tab:red", "quest": "tab:blue", "streamingllm": "tab:green", "full": "black", "hf": "tab:gray"}
+_STYLES = ["-", "--", ":", "-."]
+
+
+def _algo(r: Dict[str, Any]) -> str:
+    return r["algorithm"] + (f"/{r['variant']}" if r.get("variant") else "")
+
+
+def _style(r: Dict[str, Any], gammas: List[int], algos: List[str]):
+    """Colour by algorithm (variants get their own), line style by gamma."""
+    a = _algo(r)
+    color = _COLORS.get(a) or plt.get_cmap("tab10")(algos.index(a) % 10)
+    g = r.get("num_speculative_tokens") or 0
+    ls = _STYLES[gammas.index(g) % len(_STYLES)] if g in gammas else "-"
+    return color, ls
+
+
+def _facets(n: int, w: float = 4.2, h: float = 3.2):
+    cols = min(n, 3) if n != 4 else 2
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(w * cols + 1.5, h * rows + 0.5), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
 def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
     """Write the four PNGs for ``records`` (dicts as in ``runs.jsonl``) into ``out_dir``; returns their
-    paths (a plot without data is skipped)."""
+    paths (a plot without data is skipped). Several contexts / batch sizes / ratios / gammas are
+    drawn as small multiples, one panel per cell, colour = algorithm, line style = gamma."""
     paths = []
     spec = [r for r in records if r.get("algorithm") not in _SPEC and r.get("mean_acceptance_length") is not None]
-    cells = sorted({(r["context"], r["batch_size"]) for r in spec})
-    multi = len(cells) > 1
+    gammas = sorted({r.get("num_speculative_tokens") or 0 for r in spec})
+    algos = sorted({_algo(r) for r in records})
 
-    # 1. MAL vs ratio
-    groups = defaultdict(lambda: defaultdict(list))
-    for r in spec:
-        key = _base_label(r) + (f" ctx{r['context']} B{r['batch_size']}" if multi else "")
-        groups[key][r["sparse_attn_ratio"]].append((r.get("num_accepted_tokens") or 0, r.get("num_drafts") or 0))
-    if any(len(v) > 1 for v in groups.values()) or groups:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for key, by_ratio in sorted(groups.items()):
-            xs = sorted(by_ratio)
-            ys = [1 + sum(a for a, _ in by_ratio[x]) / max(1, sum(d for _, d in by_ratio[x])) for x in xs]
-            ax.plot(xs, ys, marker="o", label=key)
-        ax.set_xlabel("KV budget ratio")
-        ax.set_ylabel("mean acceptance length (pooled over runs)")
-        ax.set_title("Acceptance vs budget")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    # 1. MAL vs ratio, one panel per (context, batch)
+    cells = sorted({(r["context"], r["batch_size"]) for r in spec})
+    if spec:
+        fig, axes = _facets(len(cells))
+        for ax, (ctx, B) in zip(axes, cells):
+            groups = defaultdict(lambda: defaultdict(list))
+            for r in spec:
+                if (r["context"], r["batch_size"]) == (ctx, B):
+                    groups[_base_label(r)][r["sparse_attn_ratio"]].append(r)
+            for key, by_ratio in sorted(groups.items()):
+                xs = sorted(by_ratio)
+                ys = [1 + sum(r.get("num_accepted_tokens") or 0 for r in by_ratio[x])
+                      / max(1, sum(r.get("num_drafts") or 0 for r in by_ratio[x])) for x in xs]
+                color, ls = _style(by_ratio[xs[0]][0], gammas, algos)
+                ax.plot(xs, ys, marker="o", color=color, linestyle=ls, label=key)
+            ax.set_title(f"context {ctx}, batch {B}", fontsize=9)
+            ax.set_xlabel("KV budget ratio")
+            ax.set_ylabel("mean acceptance length")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=6)
+        fig.suptitle("Acceptance vs budget (pooled over documents)")
         paths.append(_save(fig, os.path.join(out_dir, "mal_vs_ratio.png")))
 
-    # 2. tokens/s vs context
-    tp = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        if r.get("decode_tokens_per_s") is None:
-            continue
-        tp[f"{r['label']} B{r['batch_size']}"][r["context"]].append(r["decode_tokens_per_s"])
-    if tp:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for key, by_ctx in sorted(tp.items()):
-            xs = sorted(by_ctx)
-            ax.plot(xs, [_med(by_ctx[x]) for x in xs], marker="o", label=key)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("decode tokens/s (all rows)")
-        ax.set_title("Throughput vs context")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+    # 2. tokens/s vs context, one panel per (batch, ratio); plain decoding in every panel
+    tp_rs = [r for r in records if r.get("decode_tokens_per_s") is not None]
+    if tp_rs:
+        batches = sorted({r["batch_size"] for r in tp_rs})
+        ratios = sorted({r["sparse_attn_ratio"] for r in tp_rs if r.get("sparse_attn_ratio") is not None}) or [None]
+        panels = [(b, q) for b in batches for q in ratios]
+        fig, axes = _facets(len(panels))
+        for ax, (B, q) in zip(axes, panels):
+            tp = defaultdict(lambda: defaultdict(list))
+            first = {}
+            for r in tp_rs:
+                if r["batch_size"] != B or (r.get("sparse_attn_ratio") not in (None, q)):
+                    continue
+                k = _base_label(r)
+                tp[k][r["context"]].append(r["decode_tokens_per_s"])
+                first.setdefault(k, r)
+            for key, by_ctx in sorted(tp.items()):
+                xs = sorted(by_ctx)
+                color, ls = _style(first[key], gammas, algos)
+                ax.plot(xs, [_med(by_ctx[x]) for x in xs], marker="o", color=color, linestyle=ls, label=key)
+            ax.set_title(f"batch {B}" + (f", ratio {q:g}" if q is not None else ""), fontsize=9)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("decode tokens/s (all rows)")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=6)
+        fig.suptitle("Throughput vs context (median over documents)")
         paths.append(_save(fig, os.path.join(out_dir, "tokens_per_s_vs_context.png")))
 
-    # 3. per-position acceptance
-    acc = defaultdict(lambda: [None, 0])
+    # 3. per-position acceptance, one panel per gamma, pooled over everything else
+    acc = defaultdict(lambda: [None, 0, None])
     for r in spec:
         pp = r.get("num_accepted_tokens_per_pos")
         if not pp or not r.get("num_drafts"):
             continue
-        a = acc[r["label"]]
+        a = acc[(r.get("num_speculative_tokens") or 0, _base_label(r))]
         a[0] = [x + y for x, y in zip(a[0], pp)] if a[0] is not None else list(pp)
         a[1] += r["num_drafts"]
+        a[2] = r
     if acc:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for key, (pp, n) in sorted(acc.items()):
-            ax.plot(range(1, len(pp) + 1), [x / n for x in pp], marker=".", label=key)
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("fraction of drafts accepted up to here")
-        ax.set_ylim(0, 1.02)
-        ax.set_title("Per-position acceptance")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        gs = sorted({g for g, _ in acc})
+        fig, axes = _facets(len(gs))
+        for ax, g in zip(axes, gs):
+            for (gg, key), (pp, n, r) in sorted(acc.items()):
+                if gg != g:
+                    continue
+                color, ls = _style(r, gammas, algos)
+                ax.plot(range(1, len(pp) + 1), [x / n for x in pp], marker=".", color=color, linestyle=ls, label=key)
+            ax.set_title(f"γ = {g}", fontsize=9)
+            ax.set_xlabel("draft position")
+            ax.set_ylabel("fraction of drafts accepted up to here")
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+        fig.suptitle("Per-position acceptance (pooled over contexts, batches, ratios, documents)")
         paths.append(_save(fig, os.path.join(out_dir, "per_position_acceptance.png")))
 
-    # 4. selection overhead share
+    # 4. selection overhead share, one bar per configuration without the ratio
     sh = defaultdict(list)
     for r in spec:
         if r.get("select_overhead_share") is not None:
-            sh[r["label"]].append(r["select_overhead_share"])
+            sh[_base_label(r)].append(r["select_overhead_share"])
     if sh:
         keys = sorted(sh)
         fig, ax = plt.subplots(figsize=(7, max(2.5, 0.3 * len(keys) + 1)))

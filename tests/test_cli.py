@@ -143,7 +143,16 @@ def test_human_output_text_to_stdout_stats_to_stderr(tiny_model_dir, capsys):
     assert rc == 0, err
     assert out.strip()  # the text
     assert "vegas stats" in err and "speedup" in err and "identical" in err
+    assert "decode only" in err and "mean accept" in err
     assert "mean accept" not in out
+
+
+def test_human_output_full_algorithm_has_no_acceptance_lines(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the day", "--algorithm", "full",
+                            "--max-new-tokens", "5", "--ignore-eos", "--no-progress"], capsys)
+    assert rc == 0, err
+    assert "--- full stats ---" in err and "vegas stats" not in err
+    assert "decode only" in err and "mean accept" not in err
 
 
 def test_prompt_file(tiny_model_dir, tmp_path, capsys):

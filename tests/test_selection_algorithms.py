@@ -361,3 +361,21 @@ def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, 
     assert "python bench/e2e.py --model" in md and "bound" in md
     for png in ("mal_vs_ratio.png", "tokens_per_s_vs_context.png", "per_position_acceptance.png", "selection_overhead.png"):
         assert (out / png).stat().st_size > 1000, png
+
+    # the pooled report over the run (as for a grid split over processes): pooled MAL equals a
+    # recomputation from the raw counts, and every cell of the grid gets a row
+    import report
+
+    rep = tmp_path / "rep"
+    assert report.main([str(out / "runs.jsonl"), "--out", str(rep), "--no-plots"]) == 0
+    text = (rep / "summary.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 200 |") or line.startswith("| 300 |")]
+    cell_rows = [line for line in rows if line.count("|") > 12]
+    assert len(cell_rows) == 2 * 2 * 2  # contexts x batches x ratios (gamma 3 only)
+    sel = [r for r in recs if r["algorithm"] == "vegas" and not r["variant"] and r["context_requested"] == 200
+           and r["batch_size"] == 2 and r["sparse_attn_ratio"] == 0.1]
+    want = 1 + sum(r["num_accepted_tokens"] for r in sel) / sum(r["num_drafts"] for r in sel)
+    assert abs(report.pooled_mal(sel) - want) < 1e-12
+    row = next(line for line in cell_rows if line.startswith("| 200 | 2 | 3 | 0.1 |"))
+    assert f"{want:.2f}" == row.split("|")[5].strip()
+    assert "identical to our plain decoding in" in text and "## Every run" in text

@@ -338,14 +338,18 @@ def _fmt_stats(stats: Dict[str, Any]) -> List[str]:
 
     lines = [
         f"generated tokens     {g('num_generated_tokens', '{}')} in {g('num_iterations', '{}')} iterations",
-        f"tokens/s             {g('tokens_per_s', '{:.2f}')}",
-        f"mean accept. length  {g('mean_acceptance_length', '{:.2f}')} "
-        f"(drafts {g('num_drafts', '{}')}, draft tokens {g('num_draft_tokens', '{}')}, accepted {g('num_accepted_tokens', '{}')})",
-        f"draft accept. rate   {g('draft_acceptance_rate', '{:.3f}')}",
+        f"tokens/s             {g('tokens_per_s', '{:.2f}')} (incl. prefill), "
+        f"{g('decode_tokens_per_s', '{:.2f}')} decode only",
     ]
-    per = stats.get("num_accepted_tokens_per_pos")
-    if per is not None:
-        lines.append(f"accepted per pos.    {_jsonable(per)}")
+    if stats.get("num_drafts"):  # plain decoding ("full") drafts nothing: no acceptance to report
+        lines += [
+            f"mean accept. length  {g('mean_acceptance_length', '{:.2f}')} "
+            f"(drafts {g('num_drafts', '{}')}, draft tokens {g('num_draft_tokens', '{}')}, accepted {g('num_accepted_tokens', '{}')})",
+            f"draft accept. rate   {g('draft_acceptance_rate', '{:.3f}')}",
+        ]
+        per = stats.get("num_accepted_tokens_per_pos")
+        if per is not None:
+            lines.append(f"accepted per pos.    {_jsonable(per)}")
     parts = [f"{k[5:-2]} {stats[k]:.2f}s" for k in ("time_prefill_s", "time_draft_s", "time_verify_s", "time_select_s")
              if isinstance(stats.get(k), (int, float))]
     if parts:
@@ -528,7 +532,7 @@ def cmd_generate(args) -> int:
                 print(f"=== row {i} ===")
             print(t)
         sys.stdout.flush()
-    _eprint("--- vegas stats ---")
+    _eprint(f"--- {args.algorithm} stats ---")
     for line in _fmt_stats(stats):
         _eprint(line)
     _eprint(f"wall                 {wall:.2f}s for {n_ours} tokens = {stats['wall_tokens_per_s']:.2f} tok/s (incl. prefill)")
