@@ -106,11 +106,26 @@ def environment(device: torch.device) -> Dict[str, Any]:
     return env
 
 
+FILE_INSTRUCTION = "Summarize the text above in a few sentences."
+
+
+def document_text(doc: str):
+    """``(text, instruction)`` of ``doc``: an embedded document name (``documents.list_documents()``)
+    or the path of a UTF-8 text file (then the instruction is :data:`FILE_INSTRUCTION`). Raises
+    ``ValueError`` for anything else."""
+    if doc in documents.list_documents():
+        return documents.load_document(doc), documents.INSTRUCTIONS[doc]
+    if os.path.isfile(doc):
+        with open(doc, encoding="utf-8") as f:
+            return f.read(), FILE_INSTRUCTION
+    raise ValueError(f"unknown document {doc!r}: neither one of {documents.list_documents()} nor a text file")
+
+
 def build_batch(tok, doc: str, context: int, batch: int, chat: bool):
     """``[batch, context]`` prompt ids: row ``i`` starts ``i/batch`` of the way into the document
-    (at a paragraph start), cut to exactly ``context`` tokens including the instruction."""
-    text = documents.load_document(doc)
-    instr = documents.INSTRUCTIONS[doc]
+    (at a paragraph start), cut to exactly ``context`` tokens including the instruction. ``doc``
+    as in :func:`document_text`."""
+    text, instr = document_text(doc)
     rows = []
     for i in range(batch):
         start = 0
@@ -254,7 +269,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M-Instruct GGUF)")
     ap.add_argument("--docs", type=_csv(str), default=_csv(str)(DEFAULT_DOCS),
-                    help=f"documents, from {documents.list_documents()} (default {DEFAULT_DOCS})")
+                    help=f"documents: names from {documents.list_documents()} or paths of UTF-8 text files "
+                         f"(prompt files; instruction {FILE_INSTRUCTION!r}) (default {DEFAULT_DOCS})")
     ap.add_argument("--context-lengths", type=_csv(int), default=_csv(int)(DEFAULT_CONTEXTS),
                     help="prompt lengths in tokens, e.g. 2048,4096,8k; clamped so prompt + new tokens fit "
                          f"the model's positions (default {DEFAULT_CONTEXTS})")
@@ -288,8 +304,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="results folder (overrides --name)")
     args = ap.parse_args(argv)
     for d in args.docs:
-        if d not in documents.list_documents():
-            ap.error(f"unknown document {d!r}; choose from {documents.list_documents()}")
+        try:
+            document_text(d)
+        except (ValueError, OSError, UnicodeDecodeError) as e:
+            ap.error(str(e))
     if args.max_new_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or min(args.context_lengths) < 8:
         ap.error("--max-new-tokens, --repeats, --batch-sizes must be >= 1 and contexts >= 8")
     from vegas_ext.decode import SELECTION_ALGORITHMS

@@ -379,3 +379,25 @@ def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, 
     row = next(line for line in cell_rows if line.startswith("| 200 | 2 | 3 | 0.1 |"))
     assert f"{want:.2f}" == row.split("|")[5].strip()
     assert "identical to our plain decoding in" in text and "## Every run" in text
+
+
+def test_e2e_harness_prompt_files(tiny_doc_model_dir, tmp_path):
+    """--docs takes paths of text files too (prompt files); a missing file is a clear CLI error."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import e2e
+    from transformers import AutoTokenizer
+
+    from vegas_ext import documents
+
+    f = tmp_path / "notes.txt"
+    f.write_text(documents.load_document("kjv")[:20000], encoding="utf-8")
+    text, instr = e2e.document_text(str(f))
+    assert text.startswith(documents.load_document("kjv")[:100]) and instr == e2e.FILE_INSTRUCTION
+    tok = AutoTokenizer.from_pretrained(tiny_doc_model_dir)
+    ids, mask = e2e.build_batch(tok, str(f), 150, 2, chat=False)
+    assert ids.shape == (2, 150) and bool(mask.all())
+    assert ids[0].tolist() != ids[1].tolist()  # rows start at different places of the file
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--docs", str(tmp_path / "missing.txt")])
+    with pytest.raises(ValueError, match="neither one of"):
+        e2e.document_text(str(tmp_path / "missing.txt"))
