@@ -57,6 +57,35 @@ VEGAS_DEVICE void write_block_slots(const AttnParams& p, const float* pb, const 
 }
 
 // ---------------------------------------------------------------------------
+// The work of one CTA of the split-KV kernels: grid x = batch row * Hkv + KV head,
+// y = split, z = row group. Initializes the token map of (b, g) and gives the split's
+// range [vt0, vt1) of `tile`-token tiles of the virtual sequence (same formula as the
+// host's split planning in ops_host.h: ceil(tiles / nsplit), at least min_tiles).
+// ---------------------------------------------------------------------------
+struct CtaWork {
+  int bg, b, g, sp, z;
+  int L, vlen, vt0, vt1;
+};
+
+template <class Map>
+VEGAS_DEVICE CtaWork cta_work(const AttnParams& p, Map& map, int tile) {
+  CtaWork w;
+  w.bg = block_x();
+  w.sp = block_y();
+  w.z = block_z();
+  w.b = w.bg / p.Hkv;
+  w.g = w.bg - w.b * p.Hkv;
+  map.init(p, w.b, w.g);
+  w.L = map.L;
+  w.vlen = map.length();
+  const int nvt = idiv_up(w.vlen, tile);
+  const int tps = imax(idiv_up(nvt, p.nsplit), p.min_tiles);
+  w.vt0 = imin(nvt, w.sp * tps);
+  w.vt1 = imin(nvt, w.vt0 + tps);
+  return w;
+}
+
+// ---------------------------------------------------------------------------
 // Tensor-core path (bf16 / fp16, D in {64, 80, 96, 128}; K/V rows 16-byte aligned).
 // Warp = 16 query rows; per 16-token step: S = Q K^T with mma.m16n8k16 (Q fragments
 // held in registers for the whole pass, K via ldmatrix), online softmax on the
@@ -83,24 +112,13 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
   float* pbuf = reinterpret_cast<float*>(tok_s + 2 * TILE);  // [warps][16][kStep + 1]
   float* mbuf = pbuf + warps * 16 * (kStep + 1);               // [warps][16]
 
-  const int bg = block_x();
-  const int sp = block_y();
-  const int z = block_z();
-  const int b = bg / p.Hkv;
-  const int g = bg - b * p.Hkv;
+  Map map;
+  const CtaWork w = cta_work(p, map, TILE);
+  const int bg = w.bg, sp = w.sp, b = w.b, g = w.g, L = w.L, vlen = w.vlen, vt0 = w.vt0, vt1 = w.vt1;
   const int rgi = warp / p.ns;
   const int st = warp - rgi * p.ns;
-  const int row0 = (z * p.rg + rgi) * 16;
+  const int row0 = (w.z * p.rg + rgi) * 16;
   const bool warp_active = row0 < p.R;
-
-  Map map;
-  map.init(p, b, g);
-  const int L = map.L;
-  const int vlen = map.length();
-  const int nvt = idiv_up(vlen, TILE);
-  const int tps = imax(idiv_up(nvt, p.nsplit), p.min_tiles);
-  const int vt0 = imin(nvt, sp * tps);
-  const int vt1 = imin(nvt, vt0 + tps);
 
   const int gq = lane >> 2, tq = lane & 3;
   const int rA = row0 + gq, rB = rA + 8;
@@ -376,25 +394,14 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_simt_kernel(const AttnParams p) 
   float* pbuf = qs + p.rg * RW * D;                              // [warps][RW][LDP]
   float* mbuf = pbuf + warps * RW * LDP;                         // [warps][RW]
 
-  const int bg = block_x();
-  const int sp = block_y();
-  const int z = block_z();
-  const int b = bg / p.Hkv;
-  const int g = bg - b * p.Hkv;
+  Map map;
+  const CtaWork w = cta_work(p, map, tile);
+  const int bg = w.bg, sp = w.sp, b = w.b, g = w.g, L = w.L, vlen = w.vlen, vt0 = w.vt0, vt1 = w.vt1;
   const int rgi = warp / p.ns;
   const int st = warp - rgi * p.ns;
-  const int cta_row0 = z * p.rg * RW;
+  const int cta_row0 = w.z * p.rg * RW;
   const int row0 = cta_row0 + rgi * RW;
   const bool warp_active = row0 < p.R;
-
-  Map map;
-  map.init(p, b, g);
-  const int L = map.L;
-  const int vlen = map.length();
-  const int nvt = idiv_up(vlen, tile);
-  const int tps = imax(idiv_up(nvt, p.nsplit), p.min_tiles);
-  const int vt0 = imin(nvt, sp * tps);
-  const int vt1 = imin(nvt, vt0 + tps);
 
   const T* qp = static_cast<const T*>(p.q);
   for (int e = tid; e < p.rg * RW * D; e += nthreads) {
