@@ -236,24 +236,25 @@ def test_quest_metadata_after_generate_matches_cache():
 
     @register_selection_algorithm("_test_keep_quest")
     class _Keep(QuestSelection):
-        def setup(self, state):
-            super().setup(state)
-            holder["s"] = self
+        def teardown(self, state):  # keep the final metadata; teardown releases it
+            holder["key_min"], holder["key_max"] = self.key_min, self.key_max
+            super().teardown(state)
+            assert self.key_min == [] and self._state is None and state.write_hook is None
 
     model, ids, mask, ref = _case("llama", 3)
     out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
                    sparse_attn_algorithm="_test_keep_quest", return_cache=True, **SMALL)
     assert torch.equal(out.sequences, ref)
-    strat, cache = holder["s"], out.cache
+    key_min, key_max, cache = holder["key_min"], holder["key_max"], out.cache
     bs = 16
     for layer, cl in enumerate(cache.layers):
-        kmin = torch.zeros_like(strat.key_min[layer])
-        kmax = torch.zeros_like(strat.key_max[layer])
+        kmin = torch.zeros_like(key_min[layer])
+        kmax = torch.zeros_like(key_max[layer])
         reference.block_minmax_update(kmin, kmax, cl.keys, cache.lengths, torch.zeros_like(cache.lengths), bs)
         for b in range(cache.lengths.shape[0]):
             nfull = int(cache.lengths[b]) // bs
-            assert torch.equal(strat.key_min[layer][b, :, :nfull], kmin[b, :, :nfull])
-            assert torch.equal(strat.key_max[layer][b, :, :nfull], kmax[b, :, :nfull])
+            assert torch.equal(key_min[layer][b, :, :nfull], kmin[b, :, :nfull])
+            assert torch.equal(key_max[layer][b, :, :nfull], kmax[b, :, :nfull])
     del SELECTION_ALGORITHMS["_test_keep_quest"]
 
 

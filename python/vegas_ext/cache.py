@@ -22,6 +22,7 @@ No ``torch.cat`` growth, no per-step copies of the cache.
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -32,7 +33,11 @@ __all__ = ["VegasCache", "VegasCacheLayer"]
 
 
 class VegasCacheLayer(CacheLayerMixin):
-    """One layer of :class:`VegasCache`: ``keys`` and ``values`` buffers ``[B, H_kv, S_max, D]``."""
+    """One layer of :class:`VegasCache`: ``keys`` and ``values`` buffers ``[B, H_kv, S_max, D]``.
+
+    Holds only a weak reference to its cache: a strong one would make every cache a reference
+    cycle, freed by Python's cyclic garbage collector only (which large tensors do not trigger), so
+    repeated ``generate`` calls would pile up caches until memory runs out."""
 
     is_compileable = False
     is_croppable = True
@@ -40,7 +45,7 @@ class VegasCacheLayer(CacheLayerMixin):
 
     def __init__(self, parent: "VegasCache", keys: Tensor, values: Tensor):
         super().__init__()
-        self._parent = parent
+        self._parent_ref = weakref.ref(parent)
         self.keys = keys
         self.values = values
         self.is_initialized = True
@@ -49,6 +54,13 @@ class VegasCacheLayer(CacheLayerMixin):
         self.num_heads = keys.shape[1]
         self.device = keys.device
         self.dtype = keys.dtype
+
+    @property
+    def _parent(self) -> "VegasCache":
+        p = self._parent_ref()
+        if p is None:
+            raise RuntimeError("VegasCacheLayer: its VegasCache was freed; keep the cache, not only its layers")
+        return p
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:  # pragma: no cover
         pass  # buffers are allocated up front

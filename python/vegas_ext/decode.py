@@ -21,6 +21,7 @@ the rivals ``"streamingllm"`` and ``"quest"`` live in :mod:`vegas_ext.selection`
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -157,6 +158,13 @@ class SelectionStrategy:
         """Called once per :func:`generate` call, after the cache and the attention state exist
         (allocate per-call metadata here). Default: install :meth:`draft_hook`."""
         state.draft_hook = self.draft_hook()
+
+    def teardown(self, state: AttentionState) -> None:
+        """Called once at the end of every :func:`generate` call (also after an error): release the
+        per-call metadata and the hooks, so that no reference cycle keeps the cache alive.
+        Default: remove the hooks from ``state``."""
+        state.write_hook = None
+        state.draft_hook = None
 
     def select(self, ctx: SelectionContext) -> Optional[Tensor]:
         """``[L, B, H_kv, K]`` int32 block indices for the next draft round (``-1`` unused)."""
@@ -613,7 +621,7 @@ def generate(
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
-        with st.activate():
+        with st.activate(), _torn_down(strategy, st):
             # ------------------------------------------------------------- prefill
             n0 = min(gamma + 1, Lmin)
             pre = prompt_lens - n0
@@ -781,6 +789,15 @@ def generate(
     stats["num_speculative_tokens"] = gamma
     _finish_stats(stats, t_total, gamma, B)
     return GenerateOutput(sequences=sequences, stats=stats, cache=cache if return_cache else None)
+
+
+@contextlib.contextmanager
+def _torn_down(strategy: SelectionStrategy, st: AttentionState):
+    """Runs ``strategy.teardown(st)`` when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        strategy.teardown(st)
 
 
 def _finish_stats(stats: dict, t_total: float, gamma: int, B: int = 0) -> None:

@@ -138,6 +138,12 @@ class QuestSelection(SelectionStrategy):
         state.write_hook = self._on_write
         state.draft_hook = self._choose
 
+    def teardown(self, state: AttentionState) -> None:
+        """Drop the hooks, the state and the per-call metadata (no cycle keeps the cache alive)."""
+        super().teardown(state)
+        self._state = None
+        self.key_min, self.key_max, self.last_indices = [], [], None
+
     def _on_write(self, layer: int, k_cache: Tensor, start: Tensor) -> None:
         t0 = time.perf_counter()
         st = self._state
