@@ -347,7 +347,9 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
 
 
 def configurations(args) -> List[Dict[str, Any]]:
-    """Algorithm configurations of one cell, in run order (baselines first)."""
+    """Algorithm configurations of one cell, in run order: baselines first, then for every
+    (gamma, ratio, block size) the algorithms one after another, so that the runs compared with
+    each other are adjacent in time and a burst of machine noise hits them alike."""
     cfgs = []
     none = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
             "selection_refresh_interval": None}
@@ -355,17 +357,21 @@ def configurations(args) -> List[Dict[str, Any]]:
         if a in ("hf", "full"):
             cfgs.append({"algorithm": a, "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None,
                          **none})
+    specs = []
     for a in args.algorithms:
         if a in ("hf", "full"):
             continue
         spec = parse_algorithm_spec(a, args)
-        bss = [spec["block_size_override"]] if spec["block_size_override"] else args.block_sizes
         opts = {k: v for k, v in spec.items() if k not in ("algorithm", "block_size_override")}
-        for g in args.num_speculative_tokens:
-            for r in args.ratios:
-                for bs in bss:
+        specs.append((spec, opts))
+    for g in args.num_speculative_tokens:
+        for r in args.ratios:
+            for bs in args.block_sizes:
+                for spec, opts in specs:  # a variant with its own block size runs at every --block-sizes slot once
+                    if spec["block_size_override"] and bs != args.block_sizes[0]:
+                        continue
                     cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": g, "sparse_attn_ratio": r,
-                                 "block_size": bs, **opts})
+                                 "block_size": spec["block_size_override"] or bs, **opts})
     return cfgs
 
 
