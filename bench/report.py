@@ -102,6 +102,8 @@ def report_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]
     algos = [a for a in RIVALS if any(a in c for c in cells.values())]
     others = sorted({a for c in cells.values() for a in c} - set(algos))
     algos += others
+    commits = ", ".join(sorted({str(r.get("git_commit"))[:10] + (" (dirty)" if r.get("git_dirty") else "")
+                                for r in records}))
     lines = ["# Selection algorithms on real text: pooled grid report", ""]
     lines.append("Parts (each one process; algorithms interleaved inside every cell):")
     lines.append("")
@@ -111,8 +113,7 @@ def report_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]
             lines.append(f"    python bench/e2e.py {' '.join(argv)}")
     lines += ["", f"Model {r0.get('model')}, {r0.get('dtype')}, {r0.get('device')} ({r0.get('device_name')}, "
               f"{r0.get('num_threads')} thread(s) per process, {r0.get('cpu_count')} cores); torch {r0.get('torch')}, "
-              f"transformers {r0.get('transformers')}; commit {str(r0.get('git_commit'))[:10]}"
-              f"{' (dirty)' if r0.get('git_dirty') else ''}; documents: {', '.join(docs)}; "
+              f"transformers {r0.get('transformers')}; commit(s) {commits}; documents: {', '.join(docs)}; "
               f"{r0.get('max_new_tokens')} new tokens per row, greedy, EOS ignored; "
               f"{len(records)} runs.", ""]
 
