@@ -122,25 +122,30 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         row_lse[r] = lr;
         lsep[(b * d.Hq + g * G + hh) * Q + i] = lr;
       }
-      // block scores
+      // block scores: block j's sums are relative to the running max of the tile that holds
+      // its last token, so its factor exp(m_tile - lse_r) is one per (row, split, tile): the
+      // blocks of a tile share it (one exp per row and tile, not per row and block), and the
+      // rows are summed in order r = 0..R-1 as a plain loop over rows would.
       float* sc = scp + bg * N;
       const float* bsum = bsum_all.data() + bg * R * N;
       const int64_t nb_valid = ceil_div(L, bs);
-      for (int64_t j = 0; j < nb_valid; ++j) {
-        const int64_t t_first = j * bs;
-        const int64_t sp = t_first / split_len;
+      std::fill(sc, sc + nb_valid, 0.f);
+      for (int64_t sp = 0; sp * split_len < L; ++sp) {
         const int64_t t0 = sp * split_len;
-        const int64_t t_last = std::min<int64_t>({(j + 1) * bs, t0 + split_len, L}) - 1;
-        const int64_t tile = (t_last - t0) / kTile;
+        const int64_t t_end = std::min<int64_t>(t0 + split_len, L);  // split's tokens [t0, t_end)
         const float* mt = mt_all.data() + (bg * nsplit + sp) * R * ntiles;
-        float acc_s = 0.f;
-        for (int r = 0; r < R; ++r) {
-          const float bsv = bsum[r * N + j];
-          if (bsv == 0.f) continue;
-          const float w = qw ? qw[r / G] : 1.f;
-          acc_s += w * bsv * std::exp(mt[r * ntiles + tile] - row_lse[r]);
+        for (int64_t j0 = t0 / bs; j0 * bs < t_end;) {
+          // blocks [j0, j1) whose last token lies in the same tile
+          const int64_t tile = (std::min<int64_t>((j0 + 1) * bs, t_end) - 1 - t0) / kTile;
+          int64_t j1 = j0 + 1;
+          while (j1 * bs < t_end && (std::min<int64_t>((j1 + 1) * bs, t_end) - 1 - t0) / kTile == tile) ++j1;
+          for (int r = 0; r < R; ++r) {
+            const float f = (qw ? qw[r / G] : 1.f) * std::exp(mt[r * ntiles + tile] - row_lse[r]);
+            const float* br = bsum + r * N;
+            for (int64_t j = j0; j < j1; ++j) sc[j] += br[j] != 0.f ? br[j] * f : 0.f;
+          }
+          j0 = j1;
         }
-        sc[j] = acc_s;
       }
     }
   });
