@@ -282,7 +282,8 @@ def parse_args(argv=None):
                          "(default hf,full,vegas)")
     ap.add_argument("--num-speculative-tokens", type=_csv(int), default=[6], help="gamma values for sparse algorithms (default 6)")
     ap.add_argument("--ratios", type=_csv(float), default=[0.05], help="KV budget ratios (default 0.05)")
-    ap.add_argument("--block-sizes", type=_csv(int), default=[16], help="block sizes (default 16)")
+    ap.add_argument("--block-sizes", type=_csv(int), default=[None],
+                    help="block sizes (default: each algorithm's own, 1 for vegas and 16 for streamingllm / quest)")
     ap.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens (default 256)")
     ap.add_argument("--share-selection", action="store_true", help="share_selection_across_heads=True")
     ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
@@ -350,6 +351,8 @@ def configurations(args) -> List[Dict[str, Any]]:
     """Algorithm configurations of one cell, in run order: baselines first, then for every
     (gamma, ratio, block size) the algorithms one after another, so that the runs compared with
     each other are adjacent in time and a burst of machine noise hits them alike."""
+    from vegas_ext.decode import SELECTION_ALGORITHMS
+
     cfgs = []
     none = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
             "selection_refresh_interval": None}
@@ -370,8 +373,9 @@ def configurations(args) -> List[Dict[str, Any]]:
                 for spec, opts in specs:  # a variant with its own block size runs at every --block-sizes slot once
                     if spec["block_size_override"] and bs != args.block_sizes[0]:
                         continue
+                    bsz = spec["block_size_override"] or bs or SELECTION_ALGORITHMS[spec["algorithm"]].default_block_size
                     cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": g, "sparse_attn_ratio": r,
-                                 "block_size": spec["block_size_override"] or bs, **opts})
+                                 "block_size": bsz, **opts})
     return cfgs
 
 

@@ -66,12 +66,22 @@ def _f(x, fmt="{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
-def algo_name(r: Dict[str, Any]) -> str:
+def algo_name(r: Dict[str, Any], multi_bs: Iterable[Tuple[str, str]] = ()) -> str:
     """``vegas``, ``vegas/shared``, ``vegas/bs=1``, ``quest b64``, ``hf``, ... (algorithm plus variant,
-    plus the block size when it is not the default 16 and the variant does not name it)."""
+    plus the block size when ``(algorithm, variant)`` is in ``multi_bs``: it ran at several block
+    sizes and the variant does not name it)."""
     v = r.get("variant") or ""
     bs = r.get("block_size")
-    return r["algorithm"] + (f"/{v}" if v else "") + (f" b{bs}" if bs not in (None, 16) and "bs=" not in v else "")
+    suffix = f" b{bs}" if (r["algorithm"], v) in set(multi_bs) and "bs=" not in v else ""
+    return r["algorithm"] + (f"/{v}" if v else "") + suffix
+
+
+def multi_block_size(records: List[Dict[str, Any]]) -> set:
+    """``(algorithm, variant)`` pairs that ran at more than one block size in ``records``."""
+    seen: Dict[Tuple[str, str], set] = defaultdict(set)
+    for r in records:
+        seen[(r["algorithm"], r.get("variant") or "")].add(r.get("block_size"))
+    return {k for k, v in seen.items() if len(v) > 1}
 
 
 def pooled_mal(rs: List[Dict[str, Any]]) -> Optional[float]:
@@ -84,11 +94,12 @@ def grid_cells(records: List[Dict[str, Any]]) -> Dict[Tuple, Dict[str, List[Dict
     """(context, batch, gamma, ratio) -> algorithm name (:func:`algo_name`) -> runs (all documents,
     repeats)."""
     cells: Dict[Tuple, Dict[str, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    multi = multi_block_size(records)
     for r in records:
         if r["algorithm"] in ("hf", "full"):
             continue
         key = (r["context_requested"], r["batch_size"], r["num_speculative_tokens"], r["sparse_attn_ratio"])
-        cells[key][algo_name(r)].append(r)
+        cells[key][algo_name(r, multi)].append(r)
     return dict(sorted(cells.items()))
 
 
@@ -115,7 +126,10 @@ def report_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]
               f"{r0.get('num_threads')} thread(s) per process, {r0.get('cpu_count')} cores); torch {r0.get('torch')}, "
               f"transformers {r0.get('transformers')}; commit(s) {commits}; documents: {', '.join(docs)}; "
               f"{r0.get('max_new_tokens')} new tokens per row, greedy, EOS ignored; "
-              f"{len(records)} runs.", ""]
+              f"{len(records)} runs.", "",
+              "Block sizes (tokens): " + "; ".join(
+                  f"{a} {', '.join(str(b) for b in sorted({r['block_size'] for r in records if algo_name(r) == a}))}"
+                  for a in sorted({algo_name(r) for r in records if r["algorithm"] not in ("hf", "full")})) + ".", ""]
 
     # 1. headline table
     lines += ["## Acceptance and speedup per cell", "",

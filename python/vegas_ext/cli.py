@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower clamp of the KV budget in tokens (default 256)")
     d.add_argument("--max-tokens", type=_int("--max-tokens"), default=None,
                    help="upper clamp of the KV budget in tokens (default: none)")
-    d.add_argument("--block-size", type=_int("--block-size"), default=16,
-                   help="KV selection granularity in tokens (default 16)")
+    d.add_argument("--block-size", type=_int("--block-size"), default=None,
+                   help="KV selection granularity in tokens (default: the algorithm's, 1 for vegas, 16 for "
+                        "streamingllm and quest)")
     d.add_argument("--sink-blocks", type=_int("--sink-blocks"), default=1,
                    help="leading blocks always kept in the draft's KV set (default 1)")
     d.add_argument("--share-selection", action="store_true",
@@ -121,7 +122,7 @@ def _validate(args) -> None:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.block_size < 1:
+    if args.block_size is not None and args.block_size < 1:
         raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
     if args.min_tokens < 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise CLIError("--min-tokens must be >= 0 and --max-tokens >= 1")
@@ -131,6 +132,10 @@ def _validate(args) -> None:
         raise CLIError(f"--refresh-interval must be >= 1, got {args.refresh_interval}")
     if args.algorithm not in _algorithms():
         raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {', '.join(_algorithms())}")
+    if args.block_size is None:  # the algorithm's own default (vegas: 1, others: 16)
+        from .decode import SELECTION_ALGORITHMS
+
+        args.block_size = SELECTION_ALGORITHMS[args.algorithm].default_block_size
     if args.do_sample:
         if not (args.temperature > 0) or math.isinf(args.temperature):
             raise CLIError(f"--temperature must be > 0, got {args.temperature}")

@@ -147,6 +147,8 @@ class SelectionStrategy:
     name = "base"
     drafts = True
     needs_verify_scores = False
+    #: tokens per KV block when ``generate(block_size=None)`` (the default)
+    default_block_size = 16
 
     def __init__(self, cfg: SelectionConfig):
         self.cfg = cfg
@@ -208,6 +210,7 @@ class VegasSelection(SelectionStrategy):
     between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn")."""
 
     needs_verify_scores = True
+    default_block_size = 1  # token granularity: highest acceptance in bench/results/variants_cpu
 
     def select(self, ctx: SelectionContext) -> Tensor:
         cfg = self.cfg
@@ -349,7 +352,7 @@ def generate(
     sparse_attn_ratio: float = 0.05,
     sparse_attn_min_tokens: int = 256,
     sparse_attn_max_tokens: Optional[int] = None,
-    block_size: int = 16,
+    block_size: Optional[int] = None,
     num_sink_blocks: int = 1,
     share_selection_across_heads: bool = False,
     query_weights: str = "all",
@@ -389,7 +392,9 @@ def generate(
         sparse_attn_min_tokens, sparse_attn_max_tokens: clamp of the budget in tokens
             (``ceil(ratio * context)``); the budget is then rounded up to whole blocks. When it
             covers every block before the tail, drafting is exact.
-        block_size: tokens per KV block for scores and selection.
+        block_size: tokens per KV block for scores and selection; ``None`` (default): the
+            algorithm's ``default_block_size`` -- 1 for ``"vegas"`` (token granularity, as the
+            authors' code), 16 for ``"streamingllm"`` and ``"quest"`` (Quest's pages).
         num_sink_blocks: leading blocks always selected (attention sinks).
         share_selection_across_heads: one block set per layer (scores summed over KV heads; the
             authors' choice) instead of one per KV head.
@@ -432,13 +437,17 @@ def generate(
     Defaults, and why (SmolLM2-135M-Instruct, fp32, CPU, 1 thread; ``bench/decode_defaults.py``
     and ``bench/decode_step_costs.py``):
 
-    * ``sparse_attn_ratio=0.05``, ``sparse_attn_min_tokens=256``, ``block_size=16``: on a 4K-token
-      real-text prompt (greedy, gamma 8) the per-position acceptance was 1.0, 1.0, .71, .71, .57, .57,
-      .57, .57 (mean acceptance length 6.7 of 9); a 64-token floor dropped it to 5.9, a 10 % budget or
-      token granularity (``block_size=1``) did not raise it, 64-token blocks dropped it to 5.9. A draft
-      step costs about the same for any of these budgets (weights dominate: 57-60 ms at 2K-8K, batch
-      1), so the paper's 5 % / 256 is kept; 16-token blocks keep the selection cheap (one
-      ``block_topk`` over all layers: 0.6-2.9 ms, under 1 % of an iteration).
+    * ``sparse_attn_ratio=0.05``, ``sparse_attn_min_tokens=256``: on a 4K-token real-text prompt
+      (greedy, gamma 8) a 64-token floor dropped the mean acceptance length from 6.7 to 5.9 and a
+      10 % budget did not raise it; a draft step costs about the same for any of these budgets
+      (weights dominate: 57-60 ms at 2K-8K, batch 1), so the paper's 5 % / 256 is kept.
+    * ``block_size=None`` -> 1 for ``"vegas"`` (token granularity, the authors' choice): at 4K and
+      8K, batch 4, gamma 6, ratio 0.05, three documents (``bench/results/variants_cpu``, ~220
+      drafts each) it drafted best -- mean acceptance length 5.28 vs 4.87 with 16-token blocks and
+      4.49 with 64 (StreamingLLM 4.32, Quest 4.78), ahead on every document and context -- for a
+      selection cost of ~1.5 % of an iteration (one ``block_topk`` over all layers) and, after
+      the block-score reduction was reworked, ~15 % more ``verify_attention`` time than 16-token
+      blocks. Quest and StreamingLLM keep 16-token blocks (Quest's pages).
     * ``num_speculative_tokens=6`` (the paper's setting, kept as the API default): with the cost
       model ``tau * t_plain / (gamma * t_draft + t_verify + t_select)`` on measured step costs (plain
       / draft / verify-of-7 = 365 / 104 / 699 ms at 8K, batch 4; 86 / 57 / 165 ms at 4K, batch 1),
@@ -450,8 +459,9 @@ def generate(
       nearly free (GPU, the paper's setup). At 2K, batch 1 no gamma wins by more than ~6 %: use
       ``"full"`` there.
     * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
-      (``query_weights="all"``): no worse than the authors' shared / first-and-last choices in these
-      runs, and per-head selection is what the kernels are built for.
+      (``query_weights="all"``): within sampling error of the authors' shared / first-and-last
+      choices (same run: shared 4.93, shared + first/last 4.88, default 4.87, first/last alone
+      4.70), and per-head selection is what the kernels are built for.
     """
     # ----------------------------------------------------------------- validation
     if sparse_attn_algorithm not in SELECTION_ALGORITHMS:
@@ -470,8 +480,10 @@ def generate(
         raise ValueError(
             f"sparse_attn_max_tokens ({sparse_attn_max_tokens}) must be >= max(1, sparse_attn_min_tokens)"
         )
+    if block_size is None:
+        block_size = SELECTION_ALGORITHMS[sparse_attn_algorithm].default_block_size
     if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+        raise ValueError(f"block_size must be >= 1 (or None for the algorithm's default), got {block_size}")
     if num_sink_blocks < 0:
         raise ValueError(f"num_sink_blocks must be >= 0, got {num_sink_blocks}")
     if not isinstance(selection_refresh_interval, int) or selection_refresh_interval < 1:
