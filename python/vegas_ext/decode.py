@@ -618,7 +618,6 @@ def generate(
             st.block_scores = torch.zeros(
                 (L_layers, B, cache.layers[0].num_heads, n_blocks), dtype=torch.float32, device=device
             )
-        strategy.setup(st)
 
         def fwd(ids: Tensor, pos: Tensor, keep: int) -> Tensor:
             out = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep, **{cache_kw: cache})
@@ -634,6 +633,7 @@ def generate(
             streamer.put(input_ids.cpu())
 
         with st.activate(), _torn_down(strategy, st):
+            strategy.setup(st)  # inside: teardown runs however the call ends
             # ------------------------------------------------------------- prefill
             n0 = min(gamma + 1, Lmin)
             pre = prompt_lens - n0

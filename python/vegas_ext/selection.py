@@ -105,8 +105,9 @@ class QuestSelection(SelectionStrategy):
     (``stats["time_select_inline_s"]`` is included in ``time_select_s`` and removed from the draft /
     verify / prefill times).
 
-    Attributes (after :meth:`setup`): ``key_min``, ``key_max`` (lists over layers), ``last_indices``
-    ``[L, B, H_kv, K]`` int32 (the blocks each layer used at the latest draft step).
+    Attributes (between :meth:`setup` and :meth:`teardown`, i.e. during one ``generate`` call):
+    ``key_min``, ``key_max`` (lists over layers), ``last_indices`` ``[L, B, H_kv, K]`` int32 (the
+    blocks each layer used at the latest draft step).
     """
 
     needs_verify_scores = False
