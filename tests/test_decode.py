@@ -139,6 +139,27 @@ def test_cache_scatter_rollback_unit():
         c.begin_forward(13)
 
 
+def test_cache_copy_and_pickle_keep_layers_bound():
+    """Layers hold a weak reference to their cache: deepcopy and pickle must re-bind it to the copy."""
+    import copy
+    import pickle
+
+    c = VegasCache(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=4, max_len=8, dtype=torch.float32, device="cpu")
+    c.commit(torch.tensor([2, 3]))
+    for dup in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert all(layer._parent is dup for layer in dup.layers)
+        assert dup.layers[0].keys is not c.layers[0].keys
+        dup.begin_forward(1)
+        dup.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4), 0)
+        assert float(dup.layers[0].keys[0, 0, 2].sum()) == 4.0
+        assert float(c.layers[0].keys.abs().sum()) == 0.0  # the original is untouched
+        assert dup.get_seq_length() == 4 and c.get_seq_length() == 3  # the forward in flight is the copy's
+    layer = VegasCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=4, max_len=4, dtype=torch.float32,
+                       device="cpu").layers[0]  # its cache is gone at once
+    with pytest.raises(RuntimeError, match="was freed"):
+        layer.get_seq_length()
+
+
 # --------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("lengths", [[1], [1, 40, 300]], ids=["alone", "batch"])
 def test_one_token_prompt(lengths):

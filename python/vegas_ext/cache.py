@@ -22,6 +22,7 @@ No ``torch.cat`` growth, no per-step copies of the cache.
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import List, Optional, Tuple
 
@@ -54,6 +55,15 @@ class VegasCacheLayer(CacheLayerMixin):
         self.num_heads = keys.shape[1]
         self.device = keys.device
         self.dtype = keys.dtype
+
+    def __getstate__(self):  # a weak reference does not pickle; the cache re-binds it
+        state = dict(self.__dict__)
+        state.pop("_parent_ref", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._parent_ref = lambda: None  # until the owning VegasCache re-binds it
 
     @property
     def _parent(self) -> "VegasCache":
@@ -141,6 +151,24 @@ class VegasCache(Cache):
         self._row_idx = torch.arange(batch_size, device=device).unsqueeze(1)
         self._write_pos: Optional[Tensor] = None
         self._max_len = 0
+
+    def _bind_layers(self) -> None:
+        for layer in self.layers:
+            if isinstance(layer, VegasCacheLayer):
+                layer._parent_ref = weakref.ref(self)
+
+    def __deepcopy__(self, memo):
+        """A deep copy whose layers belong to the copy (not to the original)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, copy.deepcopy(v, memo))
+        new._bind_layers()
+        return new
+
+    def __setstate__(self, state):  # unpickling: layers come back unbound
+        self.__dict__.update(state)
+        self._bind_layers()
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int) -> "VegasCache":
