@@ -13,12 +13,21 @@ random K/V per row, then times single forwards, interleaved and repeated, keepin
 and prints the speedups the cost model predicts for a mean acceptance length ``tau`` (given or
 1 + 0.8 * gamma): ``tau * full_step / (gamma * draft_step + verify + select)``.
 
+On a GPU (issue "CUDA kernels", end-to-end check): a random-weight model of Llama-3-8B's shape
+(weights cannot travel to the GPU machine; step times do not depend on their values), bf16,
+32K context, batch 8, the fixed acceptance pattern ``--tau``::
+
+    VEGAS_CUDA_KERNELS=1 python bench/decode_step_costs.py --model-config llama3-8b --device cuda \
+        --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --no-hf
+
 Usage: ``python bench/decode_step_costs.py --contexts 2048,4096,8192 --batches 1,4 --gamma 6``
+(``--block-size`` defaults to vegas's default, 1.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -27,6 +36,38 @@ from transformers import DynamicCache
 from vegas_ext import models
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import SelectionConfig, SelectionContext, VegasSelection, _cache_kwarg
+
+#: random-weight model shapes (``--model-config``); ``tiny`` is for a smoke test
+MODEL_CONFIGS = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+}
+
+
+def random_model(name: str, device: torch.device, dtype: torch.dtype):
+    """A Llama-architecture ``*ForCausalLM`` of shape ``MODEL_CONFIGS[name]`` with random weights,
+    built directly on ``device`` in ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**MODEL_CONFIGS[name])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 from vegas_ext.hf import AttentionState, patched
 
 
@@ -38,14 +79,24 @@ def main():
     ap.add_argument("--tau", type=float, default=None, help="mean acceptance length for the prediction")
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=VegasSelection.default_block_size)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model-config", default=None, choices=sorted(MODEL_CONFIGS),
+                    help="random-weight model of this shape instead of the embedded SmolLM2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, _ = models.load_model()
+    device = torch.device(args.device)
+    dtype = models.parse_dtype(args.dtype)
+    if args.model_config:
+        model = random_model(args.model_config, device, dtype)
+    else:
+        model, _ = models.load_model(dtype=dtype, device=device)
     cfg = model.config
     V = cfg.vocab_size
     g = args.gamma
@@ -56,25 +107,29 @@ def main():
         for S in [int(x) for x in args.contexts.split(",")]:
             torch.manual_seed(0)
             cache = VegasCache.for_model(model, B, S + g + 2)
+            dev = cache.layers[0].keys.device
             for lay in cache.layers:
                 lay.keys.normal_()
                 lay.values.normal_()
-            cache.commit(torch.full((B,), S, dtype=torch.int32))
+            cache.commit(torch.full((B,), S, dtype=torch.int32, device=dev))
             st = AttentionState(cache=cache, block_size=args.block_size)
             L, H = len(cache.layers), cache.layers[0].num_heads
             nb = -(-cache.max_len // args.block_size)
-            st.block_scores = torch.rand(L, B, H, nb)
+            st.block_scores = torch.rand(L, B, H, nb, device=dev)
             sel = VegasSelection(SelectionConfig(args.ratio, args.min_tokens, None, args.block_size, 1, False))
-            tail = torch.full((B,), S - g - 1, dtype=torch.int32)
+            tail = torch.full((B,), S - g - 1, dtype=torch.int32, device=dev)
             st.tail_start = tail
             ctx = SelectionContext(st.block_scores, cache.lengths, tail, cache)
             st.block_indices = sel.select(ctx)
-            hf_cache = DynamicCache(config=cfg)
             hd = cache.layers[0].keys.shape[-1]
-            for i in range(L):
-                hf_cache.update(torch.randn(B, H, S, hd), torch.randn(B, H, S, hd), i)
-            tok = torch.randint(0, V, (B, g + 1))
-            pos = torch.full((B, g + 1), S) + torch.arange(g + 1)
+            hf_cache = None
+            if not args.no_hf:
+                hf_cache = DynamicCache(config=cfg)
+                for i in range(L):
+                    hf_cache.update(torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype),
+                                    torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype), i)
+            tok = torch.randint(0, V, (B, g + 1), device=dev)
+            pos = torch.full((B, g + 1), S, device=dev) + torch.arange(g + 1, device=dev)
 
             def our(mode, q):
                 st.mode = mode
@@ -83,7 +138,7 @@ def main():
 
             def hf_step():
                 model(input_ids=tok[:, :1], position_ids=pos[:, :1], use_cache=True,
-                      attention_mask=torch.ones(B, S + 1, dtype=torch.long), **{ck: hf_cache})
+                      attention_mask=torch.ones(B, S + 1, dtype=torch.long, device=dev), **{ck: hf_cache})
                 hf_cache.crop(-1)  # drop the appended token (5.24 API; older: crop(S))
 
             def select():
@@ -96,27 +151,42 @@ def main():
                 "verify": lambda: our("verify", g + 1),
                 "select": select,
             }
+            if args.no_hf:
+                del fns["hf_step"]
             best = {k: float("inf") for k in fns}
             with torch.inference_mode():
-                for _ in range(args.reps):
+                for rep in range(args.reps + 1):  # round 0 warms up (not counted)
+                    first = rep == 0
                     with patched(model):
                         with st.activate():
                             for k in ("full_step", "draft_step", "verify", "select"):
+                                _sync(dev)
                                 t0 = time.perf_counter()
                                 fns[k]()
-                                best[k] = min(best[k], time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    hf_step()
-                    best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
+                                _sync(dev)
+                                if not first:
+                                    best[k] = min(best[k], time.perf_counter() - t0)
+                    if "hf_step" in fns:
+                        _sync(dev)
+                        t0 = time.perf_counter()
+                        hf_step()
+                        _sync(dev)
+                        if not first:
+                            best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
             it = g * best["draft_step"] + best["verify"] + best["select"]
+            hf = best.get("hf_step")
             rec = dict(
+                model=args.model_config or "embedded SmolLM2-135M", device=str(dev),
+                device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1" if dev.type == "cuda" else None,
                 context=S, batch=B, gamma=g, tau=tau, block_size=args.block_size, ratio=args.ratio,
                 min_tokens=args.min_tokens, threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype),
                 **{f"{k}_ms": round(v * 1e3, 2) for k, v in best.items()},
-                hf_tok_s=round(B / best["hf_step"], 2), full_tok_s=round(B / best["full_step"], 2),
+                hf_tok_s=round(B / hf, 2) if hf else None, full_tok_s=round(B / best["full_step"], 2),
+                vegas_iteration_ms=round(1e3 * it, 2), full_iteration_ms_same_tokens=round(1e3 * tau * best["full_step"], 2),
                 vegas_tok_s_pred=round(B * tau / it, 2),
                 pred_speedup_vs_full=round(tau * best["full_step"] / it, 2),
-                pred_speedup_vs_hf=round(tau * best["hf_step"] / it, 2),
+                pred_speedup_vs_hf=round(tau * hf / it, 2) if hf else None,
             )
             print(json.dumps(rec), flush=True)
             if out_f:

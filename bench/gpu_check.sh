@@ -6,9 +6,12 @@
 #   2. runs tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph
 #      replay, top-k ties/NaN; the CPU-only emulation tests are skipped here);
 #   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, Llama-3-8B /
-#      Qwen3-8B attention shape) and prints its table.
+#      Qwen3-8B attention shape) and prints its table;
+#   4. times one decoding iteration end to end (bench/decode_step_costs.py): a random-weight
+#      model of Llama-3-8B's shape, bf16, 32K context, batch 8, gamma 6, fixed acceptance
+#      tau 5, our kernels -- vegas iteration vs tau plain steps (e2e_llama3_8b_shape.jsonl).
 # Everything it writes goes to bench/results/ and, when $OUT is set, to $OUT as well
-# (gpu_check.log, build.log, tests.log, test_cuda_ops.xml, kernels_cuda.{md,jsonl}).
+# (gpu_check.log, build.log, tests.log, test_cuda_ops.xml, kernels_cuda.{md,jsonl}, e2e_llama3_8b_shape.jsonl).
 # Designed to finish within 8 minutes on a 16-core machine with an H100/H200.
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
@@ -28,7 +31,7 @@ T0=$(date +%s)
 step() { echo; echo "=== [$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $* ==="; }
 status=0
 
-step "0/3 environment"
+step "0/4 environment"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || echo "(no nvidia-smi)"
 "$PY" - <<'EOF'
 import torch
@@ -49,7 +52,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export VEGAS_BUILD_CUDA=1
 
-step "1/3 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
+step "1/4 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
 B0=$(date +%s)
 if ! timeout 330 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
   tail -60 "$DEST/build.log"
@@ -62,7 +65,7 @@ command -v cuobjdump >/dev/null && cuobjdump --list-elf "$SO" || true
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention')))"
 
-step "2/3 tests/test_cuda_ops.py"
+step "2/4 tests/test_cuda_ops.py"
 set +e
 VEGAS_SKIP_EMULATOR=1 timeout 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
@@ -70,13 +73,22 @@ trc=${PIPESTATUS[0]}
 set -e
 if [ "$trc" -ne 0 ]; then echo "TESTS FAILED (rc $trc; full log: tests.log)"; status=1; else echo "tests ok"; fi
 
-step "3/3 kernel microbenchmarks"
+step "3/4 kernel microbenchmarks"
 set +e
 timeout 180 "$PY" bench/bench_cuda_kernels.py --out "$RES/kernels_cuda"
 brc=$?
 set -e
 if [ "$brc" -ne 0 ]; then echo "BENCHMARK FAILED (rc $brc)"; status=1; fi
 if [ "$DEST" != "$RES" ]; then cp -f "$RES"/kernels_cuda.* "$DEST"/ 2>/dev/null || true; fi
+
+step "4/4 end to end: random-weight Llama-3-8B shape, 32K context, batch 8, gamma 6, fixed acceptance tau 5"
+set +e
+VEGAS_CUDA_KERNELS=1 timeout 150 "$PY" bench/decode_step_costs.py --model-config llama3-8b --device cuda \
+  --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --reps 3 --no-hf \
+  --out "$DEST/e2e_llama3_8b_shape.jsonl"
+erc=$?
+set -e
+if [ "$erc" -ne 0 ]; then echo "END-TO-END STEP FAILED (rc $erc)"; status=1; fi
 
 step "done: tests rc=$trc, bench rc=$brc, $(( $(date +%s) - T0 ))s in all"
 exit $status

@@ -402,3 +402,21 @@ def test_e2e_harness_prompt_files(tiny_doc_model_dir, tmp_path):
         e2e.parse_args(["--docs", str(tmp_path / "missing.txt")])
     with pytest.raises(ValueError, match="neither one of"):
         e2e.document_text(str(tmp_path / "missing.txt"))
+
+
+def test_decode_step_costs_random_model_smoke(tmp_path):
+    """bench/decode_step_costs.py (the GPU check's end-to-end step) runs on a random-weight model
+    and writes the iteration costs and the cost-model prediction."""
+    import subprocess
+
+    out = tmp_path / "costs.jsonl"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_step_costs.py"), "--model-config", "tiny",
+                    "--contexts", "300", "--batches", "2", "--gamma", "3", "--tau", "2.5", "--reps", "1",
+                    "--min-tokens", "16", "--threads", "1", "--out", str(out)], check=True, capture_output=True)
+    rec = json.loads(out.read_text().splitlines()[0])
+    assert rec["model"] == "tiny" and rec["context"] == 300 and rec["batch"] == 2 and rec["block_size"] == 1
+    for k in ("full_step_ms", "draft_step_ms", "verify_ms", "select_ms", "hf_step_ms"):
+        assert rec[k] > 0, k
+    it = 3 * rec["draft_step_ms"] + rec["verify_ms"] + rec["select_ms"]
+    assert abs(rec["vegas_iteration_ms"] - it) < 0.05
+    assert abs(rec["pred_speedup_vs_full"] - 2.5 * rec["full_step_ms"] / it) < 0.02
