@@ -289,6 +289,10 @@ class ProgressStreamer:
         self.t_end = time.perf_counter()
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+            if not sys.stderr.isatty():  # a file or pipe keeps the erased bar: end its line
+                sys.stderr.write("\n")
+                sys.stderr.flush()
 
 
 def _run_hf(model, ids, mask, max_new_tokens, eos, pad_id, progress: bool):
