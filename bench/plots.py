@@ -30,6 +30,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 _SPEC = ("hf", "full")
 
@@ -158,6 +159,7 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
                 color, ls = _style(r, gammas, algos)
                 ax.plot(range(1, len(pp) + 1), [x / n for x in pp], marker=".", color=color, linestyle=ls, label=key)
             ax.set_title(f"γ = {g}", fontsize=9)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("draft position")
             ax.set_ylabel("fraction of drafts accepted up to here")
             ax.set_ylim(0, 1.02)
