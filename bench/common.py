@@ -12,6 +12,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def sync(device) -> None:
+    """Waits for ``device``'s queued work (CUDA); a no-op on CPU. Call around a timed region."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -36,6 +36,9 @@ from transformers import DynamicCache
 from vegas_ext import models
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import SelectionConfig, SelectionContext, VegasSelection, _cache_kwarg
+from vegas_ext.hf import AttentionState, patched
+
+from common import sync
 
 #: random-weight model shapes (``--model-config``); ``tiny`` is for a smoke test
 MODEL_CONFIGS = {
@@ -63,12 +66,6 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(old)
     return model.eval()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-from vegas_ext.hf import AttentionState, patched
 
 
 def main():
@@ -160,17 +157,17 @@ def main():
                     with patched(model):
                         with st.activate():
                             for k in ("full_step", "draft_step", "verify", "select"):
-                                _sync(dev)
+                                sync(dev)
                                 t0 = time.perf_counter()
                                 fns[k]()
-                                _sync(dev)
+                                sync(dev)
                                 if not first:
                                     best[k] = min(best[k], time.perf_counter() - t0)
                     if "hf_step" in fns:
-                        _sync(dev)
+                        sync(dev)
                         t0 = time.perf_counter()
                         hf_step()
-                        _sync(dev)
+                        sync(dev)
                         if not first:
                             best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
             it = g * best["draft_step"] + best["verify"] + best["select"]

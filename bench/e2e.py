@@ -46,6 +46,9 @@ import torch  # noqa: E402
 
 from vegas_ext import documents, models  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (imported from tests, too)
+from common import sync  # noqa: E402
+
 DEFAULT_DOCS = "pride_and_prejudice,kjv"
 DEFAULT_CONTEXTS = "2048,4096,8192"
 
@@ -153,11 +156,6 @@ class _Clock:
         pass
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_hf(model, ids, mask, max_new: int, pad_id: int, prefill_cache: Optional[dict] = None) -> Dict[str, Any]:
     """Plain greedy HF ``generate`` (EOS ignored); returns tokens and timings.
 
@@ -177,11 +175,11 @@ def run_hf(model, ids, mask, max_new: int, pad_id: int, prefill_cache: Optional[
         from vegas_ext.decode import _cache_kwarg
 
         kw[_cache_kwarg(model)] = DynamicCache([(k.clone(), v.clone()) for k, v in zip(pc["k"], pc["v"])])
-    _sync(ids.device)
+    sync(ids.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock, **kw)
-    _sync(ids.device)
+    sync(ids.device)
     t1 = time.perf_counter()
     new = out[:, T:]
     n = new.numel()
@@ -208,12 +206,12 @@ def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma:
     ``selection_refresh_interval``, ``prefill_cache``, ...)."""
     from vegas_ext.decode import generate
 
-    _sync(ids.device)
+    sync(ids.device)
     with torch.inference_mode():
         out = generate(model, ids, mask, max_new_tokens=max_new, num_speculative_tokens=gamma,
                        sparse_attn_algorithm=algorithm, sparse_attn_ratio=ratio, block_size=block_size,
                        eos_token_id=[], pad_token_id=pad_id, **extra)
-    _sync(ids.device)
+    sync(ids.device)
     T = ids.shape[1]
     return {"tokens": out.sequences[:, T:].tolist(), "stats": dict(out.stats)}
 
@@ -511,7 +509,6 @@ def main(argv=None) -> int:
         f.write(md)
     if not args.no_plots:
         try:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import plots
 
             for pth in plots.write_plots(records, out_dir):

@@ -79,6 +79,19 @@ def _facets(n: int, w: float = 4.2, h: float = 3.2):
     return fig, flat[:n]
 
 
+def _label_panel(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def _save_facets(fig, axes, title: str, path: str) -> str:
+    axes[0].legend(fontsize=6)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
 def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
     """Write the four PNGs for ``records`` (dicts as in ``runs.jsonl``) into ``out_dir``; returns their
     paths (a plot without data is skipped). Several contexts / batch sizes / ratios / gammas are
@@ -103,13 +116,9 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
                       / max(1, sum(r.get("num_drafts") or 0 for r in by_ratio[x])) for x in xs]
                 color, ls = _style(by_ratio[xs[0]][0], gammas, algos)
                 ax.plot(xs, ys, marker="o", color=color, linestyle=ls, label=key)
-            ax.set_title(f"context {ctx}, batch {B}", fontsize=9)
-            ax.set_xlabel("KV budget ratio")
-            ax.set_ylabel("mean acceptance length")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=6)
-        fig.suptitle("Acceptance vs budget (pooled over documents)")
-        paths.append(_save(fig, os.path.join(out_dir, "mal_vs_ratio.png")))
+            _label_panel(ax, f"context {ctx}, batch {B}", "KV budget ratio", "mean acceptance length")
+        paths.append(_save_facets(fig, axes, "Acceptance vs budget (pooled over documents)",
+                                  os.path.join(out_dir, "mal_vs_ratio.png")))
 
     # 2. tokens/s vs context, one panel per (batch, ratio); plain decoding in every panel
     tp_rs = [r for r in records if r.get("decode_tokens_per_s") is not None]
@@ -131,13 +140,10 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
                 xs = sorted(by_ctx)
                 color, ls = _style(first[key], gammas, algos)
                 ax.plot(xs, [_med(by_ctx[x]) for x in xs], marker="o", color=color, linestyle=ls, label=key)
-            ax.set_title(f"batch {B}" + (f", ratio {q:g}" if q is not None else ""), fontsize=9)
-            ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("decode tokens/s (all rows)")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=6)
-        fig.suptitle("Throughput vs context (median over documents)")
-        paths.append(_save(fig, os.path.join(out_dir, "tokens_per_s_vs_context.png")))
+            _label_panel(ax, f"batch {B}" + (f", ratio {q:g}" if q is not None else ""), "context length (tokens)",
+                         "decode tokens/s (all rows)")
+        paths.append(_save_facets(fig, axes, "Throughput vs context (median over documents)",
+                                  os.path.join(out_dir, "tokens_per_s_vs_context.png")))
 
     # 3. per-position acceptance, one panel per gamma, pooled over everything else
     acc = defaultdict(lambda: [None, 0, None])
@@ -158,12 +164,9 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
                     continue
                 color, ls = _style(r, gammas, algos)
                 ax.plot(range(1, len(pp) + 1), [x / n for x in pp], marker=".", color=color, linestyle=ls, label=key)
-            ax.set_title(f"γ = {g}", fontsize=9)
+            _label_panel(ax, f"γ = {g}", "draft position", "fraction of drafts accepted up to here")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel("draft position")
-            ax.set_ylabel("fraction of drafts accepted up to here")
             ax.set_ylim(0, 1.02)
-            ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
         fig.suptitle("Per-position acceptance (pooled over contexts, batches, ratios, documents)")
         paths.append(_save(fig, os.path.join(out_dir, "per_position_acceptance.png")))
