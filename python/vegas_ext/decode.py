@@ -621,6 +621,7 @@ def generate(
 
         def fwd(ids: Tensor, pos: Tensor, keep: int) -> Tensor:
             out = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep, **{cache_kw: cache})
+            st.check_forward(L_layers)
             return out.logits
 
         # left-aligned prompts

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
@@ -85,6 +86,8 @@ class AttentionState:
             layer in every mode right after the layer's new K/V were written at
             ``[start[b], cache.seq_lens[b])`` (keeps per-block metadata current, e.g. Quest's key
             min/max; rollbacks are covered because rewritten positions are reported again).
+        layer_calls: attention calls served since the last :meth:`check_forward` (the decode loop
+            checks that every layer of every forward came through here).
     """
 
     cache: VegasCache
@@ -96,6 +99,7 @@ class AttentionState:
     tail_start: Optional[Tensor] = None
     draft_hook: Optional[Callable] = None
     write_hook: Optional[Callable] = None
+    layer_calls: int = 0
     _qw_cache: dict = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -106,6 +110,19 @@ class AttentionState:
             yield self
         finally:
             _ACTIVE.reset(token)
+
+    def check_forward(self, num_layers: int) -> None:
+        """Raise ``RuntimeError`` unless exactly ``num_layers`` attention calls went through the
+        ``"vegas"`` implementation since the last check (then reset the count). Catches a model
+        whose attention implementation was switched while our forward ran (e.g. by another
+        thread), which would otherwise change tokens silently."""
+        calls, self.layer_calls = self.layer_calls, 0
+        if calls != num_layers:
+            raise RuntimeError(
+                f"vegas: {calls} of {num_layers} attention layers ran through the vegas attention implementation "
+                "in this forward: the model's attention implementation was changed while a vegas decode was "
+                "running on it (another thread called set_attn_implementation?)"
+            )
 
     def weights_for(self, q_len: int) -> Optional[Tensor]:
         if self.query_weights is None:
@@ -152,6 +169,7 @@ def vegas_attention_forward(
     if st is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer = module.layer_idx
+    st.layer_calls += 1
     cl = st.cache.layers[layer]
     if key is not cl.keys or value is not cl.values:
         raise RuntimeError(
@@ -242,11 +260,21 @@ def check_model_supported(model, context_len: Optional[int] = None) -> None:
             )
 
 
+# Patching is per model but a decode call's scope is per call: two threads decoding with one
+# model share ``config._attn_implementation``. One lock and a per-model count of open
+# :func:`patched` scopes make the first scope patch and the last one restore, so no thread ever
+# switches the implementation under another's forward.
+_PATCH_LOCK = threading.RLock()
+_SCOPES_ATTR = "_vegas_patch_scopes"    # open patched() scopes on this model
+_RESTORE_ATTR = "_vegas_patch_restore"  # whether the last scope to close unpatches
+
+
 def patch_model(model, max_context: Optional[int] = None):
     """Switch ``model`` (a HF ``*ForCausalLM``) to the ``"vegas"`` attention implementation.
 
     The previous implementation is remembered for :func:`unpatch_model`. Outside our decode loop
     the patched model computes exactly what the unpatched one does (transformers' SDPA path).
+    Thread-safe: serialized with :func:`patched` scopes of other threads.
 
     Args:
         model: a supported HF causal LM.
@@ -261,24 +289,40 @@ def patch_model(model, max_context: Optional[int] = None):
             (the message names ``config.sliding_window``).
     """
     check_model_supported(model, max_context)
-    cur = model.config._attn_implementation
-    if cur != ATTN_IMPLEMENTATION:
-        model._vegas_prev_attn_implementation = cur
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(f"vegas: {type(model).__name__} refused set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+    with _PATCH_LOCK:
+        cur = model.config._attn_implementation
+        if cur != ATTN_IMPLEMENTATION:
+            model._vegas_prev_attn_implementation = cur
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+                raise ValueError(f"vegas: {type(model).__name__} refused set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+        if getattr(model, _SCOPES_ATTR, 0):
+            setattr(model, _RESTORE_ATTR, False)  # patched on purpose: stays patched after the scopes
     return model
 
 
 def unpatch_model(model):
     """Restore the attention implementation ``model`` had before :func:`patch_model` (default
-    ``"sdpa"``). A no-op on an unpatched model. Returns ``model``."""
+    ``"sdpa"``). A no-op on an unpatched model. Returns ``model``.
+
+    While :func:`patched` scopes are open on ``model`` (a :func:`vegas_ext.generate` running in
+    another thread, or a streamer callback inside one), the restore is deferred until the last
+    of them closes: switching the implementation under a running forward would silently change
+    its tokens."""
+    with _PATCH_LOCK:
+        if getattr(model, _SCOPES_ATTR, 0):
+            setattr(model, _RESTORE_ATTR, True)
+            return model
+        _restore(model)
+    return model
+
+
+def _restore(model) -> None:
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         prev = getattr(model, "_vegas_prev_attn_implementation", None) or "sdpa"
         model.set_attn_implementation(prev)
     if hasattr(model, "_vegas_prev_attn_implementation"):
         del model._vegas_prev_attn_implementation
-    return model
 
 
 def is_patched(model) -> bool:
@@ -288,15 +332,43 @@ def is_patched(model) -> bool:
 
 @contextlib.contextmanager
 def patched(model, max_context: Optional[int] = None):
-    """Context manager: :func:`patch_model` on entry, and on exit :func:`unpatch_model` if this
-    block did the patching (an already patched model stays patched)."""
-    was = is_patched(model)
-    if was:
-        check_model_supported(model, max_context)
-    else:
-        patch_model(model, max_context)
+    """Context manager: the model uses the ``"vegas"`` attention implementation inside the block.
+
+    Scopes nest and may overlap across threads on one model: the first open scope patches an
+    unpatched model, the last one to close restores it (an already patched model stays patched).
+    Other threads may keep calling the model meanwhile; with no active :class:`AttentionState`
+    the patched model computes what the unpatched one does.
+
+    Raises:
+        ValueError: as :func:`patch_model`.
+    """
+    with _PATCH_LOCK:
+        scopes = getattr(model, _SCOPES_ATTR, 0)
+        if scopes == 0:
+            was = is_patched(model)
+            if was:
+                check_model_supported(model, max_context)
+            else:
+                patch_model(model, max_context)
+            setattr(model, _RESTORE_ATTR, not was)
+        else:
+            check_model_supported(model, max_context)
+            if not is_patched(model):  # switched away by hand while scopes were open
+                raise RuntimeError(
+                    f"vegas: the attention implementation of {type(model).__name__} was changed to "
+                    f"{model.config._attn_implementation!r} while a vegas decode was running on it"
+                )
+        setattr(model, _SCOPES_ATTR, scopes + 1)
     try:
         yield model
     finally:
-        if not was:
-            unpatch_model(model)
+        with _PATCH_LOCK:
+            scopes = getattr(model, _SCOPES_ATTR) - 1
+            if scopes:
+                setattr(model, _SCOPES_ATTR, scopes)
+            else:
+                delattr(model, _SCOPES_ATTR)
+                if getattr(model, _RESTORE_ATTR, False):
+                    _restore(model)
+                if hasattr(model, _RESTORE_ATTR):
+                    delattr(model, _RESTORE_ATTR)
