@@ -5,15 +5,20 @@ Three groups:
 * ``test_cuda_kernels_compiled_in_this_build`` -- no GPU needed: when torch is a CUDA build
   and a CUDA toolkit is present (so setup.py builds the CUDA sources), the CUDA kernels
   must be registered. Skipped when the build was CPU-only by choice (VEGAS_BUILD_CUDA=0).
-* ``test_emulated_*`` -- no GPU needed: the kernel sources compiled as host C++ against
-  the software emulation in csrc/cuda/emu (one std::thread per CUDA thread, mma/ldmatrix
-  from the PTX fragment layouts), compared with the references. Evidence that indexing
-  and numerics are right, not a substitute for hardware. Compiles once (~1 min on 2
-  cores, cached); VEGAS_SKIP_EMULATOR=1 skips them.
+* ``test_emulated_*`` and the launch-plan tests -- no GPU needed: the kernel sources
+  compiled as host C++ against the software emulation in csrc/cuda/emu (tests/cuda_emu.py:
+  one std::thread per CUDA thread, mma/ldmatrix from the PTX fragment layouts), compared
+  with the references; the device-side guards (NaN rows) without host value checks; no
+  device-to-host copy per call by default; the workspace formula
+  (ops.cuda_workspace_bytes) against the launchers' plan. Evidence that indexing and
+  numerics are right, not a substitute for hardware. Compiles once (~1 min on 2 cores,
+  cached); VEGAS_SKIP_EMULATOR=1 skips them.
 * everything else -- needs a GPU (skipped cleanly without one): each kernel against the
   reference exactly as the CPU tests do, both kernel paths (tensor-core and SIMT, the
-  latter via VEGAS_CUDA_FORCE_SIMT=1), opcheck, CUDA-graph capture/replay, top-k ties/NaN.
-  These call torch.ops.vegas.* directly (the opt-in wrapper is for users).
+  latter via VEGAS_CUDA_FORCE_SIMT=1), opcheck, CUDA-graph capture/replay (verify -> top-k
+  -> draft, and a whole 3-layer decode step), no host sync in a decode step (torch's sync
+  debug mode), measured workspace = formula, top-k ties/NaN. These call
+  torch.ops.vegas.* directly (the opt-in wrapper is for users).
 """
 import math
 import os
@@ -165,8 +170,9 @@ def test_emulated_block_topk(case, kind):
     assert torch.equal(emu.block_topk(s, k, nc, max_k, sinks, 1), reference.block_topk(s, k, nc, max_k, sinks))
 
 
+@pytest.mark.parametrize("bs", [1, 16])
 @pytest.mark.parametrize("path", EMU_PATHS, ids=_path_id)
-def test_emulated_nan_propagates(path):
+def test_emulated_nan_propagates(path, bs):
     """A NaN key poisons the rows that see it (as the reference), also across splits."""
     emu = _emu()
     dtype, simt, min_tiles = path
@@ -175,7 +181,7 @@ def test_emulated_nan_propagates(path):
     v = torch.randn(1, 1, 600, 64).to(dtype)
     k[0, 0, 3, 0] = float("nan")
     lens = torch.tensor([600], dtype=torch.int32)
-    out, lse, bsc = emu.verify_attention(q, k, v, lens, 16, 0.125, None, simt, 3, 1, min_tiles)
+    out, lse, bsc = emu.verify_attention(q, k, v, lens, bs, 0.125, None, simt, 3, 1, min_tiles)
     assert torch.isnan(out).all() and torch.isnan(lse).all() and not torch.isinf(bsc).any()
 
 

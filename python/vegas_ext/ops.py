@@ -147,8 +147,8 @@ def cuda_workspace_bytes(
       + 4 * B * H_kv * R * ceil(S / 16) * spt              # verify, slots mode only
 
     ``spt = 1`` if ``bs % 16 == 0`` else ``min(16, 15 // bs + 2)``. Verification uses the
-    slots mode for ``bs >= 16`` (and when the block-score pass's shared memory would exceed
-    96 KiB: very many rows); for ``bs < 16`` a second pass over K computes the block scores
+    slots mode for ``bs >= 16`` (and when the block-score pass's shared memory -- a K tile
+    plus the group's queries -- would exceed 96 KiB: very many rows, or fp32 with D = 256); for ``bs < 16`` a second pass over K computes the block scores
     with no workspace, so at ``block_size = 1`` nothing of size ``[Q, S]`` is allocated.
     ``np = max(1, min(ceil(4 * num_sms / (B * H_kv * nz)), ceil(ceil(V / tile) / 4), 64))``
     with ``V = S`` (verify) or ``K * bs + S`` (draft), ``tile = 64`` (32 on the SIMT path
