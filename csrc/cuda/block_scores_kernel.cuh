@@ -55,6 +55,24 @@ VEGAS_DEVICE ScoreCta score_cta(const ScoreParams& p) {
   return w;
 }
 
+// The group's queries in shared memory, row r at qs + r * ld, as U (T, or float for the
+// SIMT version); padding rows are zero.
+template <typename T, typename U>
+VEGAS_DEVICE void stage_queries(const ScoreParams& p, const ScoreCta& w, U* qs, int ld) {
+  const T* qp = static_cast<const T*>(p.q);
+  for (int e = thread_x(); e < p.rpad * p.D; e += block_dim_x()) {
+    const int r = e / p.D;
+    const int d = e - r * p.D;
+    U x = from_float<U>(0.f);
+    if (r < p.R) {
+      const T v = qp[((int64_t(w.b) * p.Q + r / p.G) * p.Hq + w.g * p.G + r % p.G) * p.D + d];
+      if constexpr (sizeof(U) == 4) x = to_float(v);
+      else x = v;
+    }
+    qs[r * ld + d] = x;
+  }
+}
+
 // Weight and lse of each (padded) row in shared memory; rows that cannot contribute
 // (padding, zero weight, no visible token: lse2 = -inf) get weight 0.
 VEGAS_DEVICE void stage_row_weights(const ScoreParams& p, int bg, float* l2s, float* wsm) {
@@ -112,14 +130,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(kScoreThreads) block_scores_mma_kernel(con
   float* carry = tokp + TILE;                                         // [2]
 
   const ScoreCta w = score_cta(p);
-  const T* qp = static_cast<const T*>(p.q);
-  for (int e = tid; e < p.rpad * D; e += nthreads) {
-    const int r = e / D;
-    const int d = e - r * D;
-    T x = from_float<T>(0.f);
-    if (r < p.R) x = qp[((int64_t(w.b) * p.Q + r / p.G) * p.Hq + w.g * p.G + r % p.G) * D + d];
-    qs[r * LDS + d] = x;
-  }
+  stage_queries<T, T>(p, w, qs, LDS);
   stage_row_weights(p, w.bg, l2s, wsm);
   block_sync();
   if (w.t0 >= w.te) return;  // uniform over the CTA
@@ -235,13 +246,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(kScoreThreads) block_scores_simt_kernel(co
   float* carry = tokp + TILE;                  // [2]
 
   const ScoreCta w = score_cta(p);
-  const T* qp = static_cast<const T*>(p.q);
-  for (int e = tid; e < p.rpad * D; e += nthreads) {
-    const int r = e / D;
-    const int d = e - r * D;
-    qs[e] = r < p.R ? to_float(qp[((int64_t(w.b) * p.Q + r / p.G) * p.Hq + w.g * p.G + r % p.G) * D + d])
-                    : 0.f;
-  }
+  stage_queries<T, float>(p, w, qs, D);
   stage_row_weights(p, w.bg, l2s, wsm);
   block_sync();
   if (w.t0 >= w.te) return;  // uniform over the CTA

@@ -9,11 +9,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -32,8 +32,24 @@ struct CudaBackend {
 
   bool value_checks() const { return !capturing && value_checks_requested(); }
   bool force_simt() const { return env_flag("VEGAS_CUDA_FORCE_SIMT", false); }
-  // cached device properties of the current device (no driver call per op)
-  int num_sms() const { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+  // multiprocessors of the current device, looked up once per device
+  int num_sms() const {
+    static std::atomic<int> cache[64];
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64) return query_sms(dev);
+    int n = cache[dev].load(std::memory_order_relaxed);
+    if (n == 0) {
+      n = query_sms(dev);
+      cache[dev].store(n, std::memory_order_relaxed);
+    }
+    return n;
+  }
+  static int query_sms(int dev) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }
   int min_tiles_per_split() const { return kMinTilesPerSplit; }
   at::Tensor to_host(const at::Tensor& t) const { return t.to(at::kCPU); }
 
