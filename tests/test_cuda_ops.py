@@ -22,7 +22,6 @@ Three groups:
 """
 import math
 import os
-import warnings
 
 import pytest
 import torch
