@@ -6,7 +6,10 @@ never decided by ``torch.cuda.is_available()``, so a GPU-less build machine
 still compiles them. Overrides:
 
 * ``VEGAS_BUILD_CUDA=0|1``   force CUDA off / on (on fails loudly without a toolkit)
-* ``TORCH_CUDA_ARCH_LIST``   e.g. ``"9.0"``; default ``"8.0;9.0"``
+* ``TORCH_CUDA_ARCH_LIST``   e.g. ``"9.0"``; default ``"8.0;9.0+PTX"``: machine code for
+  sm80 (A100, and by binary compatibility sm86 / sm89: A10, L4, RTX 30xx / 40xx) and sm90
+  (H100 / H200), plus PTX of sm90 that the driver JIT-compiles for newer GPUs (Blackwell,
+  sm100 / sm120; the first launch then pays a one-time compile, cached by the driver)
 * ``MAX_JOBS``               parallel compile jobs (ninja)
 * ``VEGAS_DEBUG=1``          -O0 -g
 
@@ -18,7 +21,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_ARCH_LIST = "8.0;9.0"
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 
 
 def read_sources():

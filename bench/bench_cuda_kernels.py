@@ -1,25 +1,35 @@
-"""GPU microbenchmark of the three vegas CUDA kernels (issue: CUDA kernels).
+"""GPU microbenchmark of the three vegas CUDA kernels.
 
     python bench/bench_cuda_kernels.py [--seq-lens 8192 32768 131072] [--batches 1 8 32]
+                                       [--block-sizes 1 16]
 
 Attention shape: Llama-3-8B and Qwen3-8B (identical: 32 query heads, 8 KV heads,
-head_dim 128), bf16, block_size 16, full-length rows. Per (S, batch):
+head_dim 128), bf16, block sizes 1 (vegas's default: block scores from the block-score
+pass) and 16 (slots), full-length rows. Per (S, batch, block size):
 * verify_attention at Q = 7 (block scores included) vs torch SDPA, flash backend, on
   the same cache with a lower-right causal mask (enable_gqa, or K/V repeated when flash
   refuses GQA and the copy fits); bytes/s over the K/V bytes read;
 * sparse_draft_attention, Q = 1, 5 % budget (random blocks) + an 8-token tail: time and
   achieved bytes/s over the bytes it reads, against a measured device-to-device copy;
 * block_topk of the verification's block scores (k = the 5 % budget, 1 sink): time and
-  its share of one verify_attention call.
+  its share of one verify_attention call;
+* the workspace of one verify_attention call: measured (peak bytes requested from the
+  caching allocator minus the outputs) and vegas_ext.ops.cuda_workspace_bytes.
+Then one op-level decode step (gamma = 6 drafts and one verification of 7 queries over
+8 layers, block size 1, top-k selection; 32K context, batch 8): host syncs per step
+(torch.cuda.set_sync_debug_mode; expected 0), and with VEGAS_CUDA_VALUE_CHECKS=1 for
+comparison; step time eager vs replayed from a CUDA graph.
 Timing: CUDA events, L2 flushed (256 MiB write) before every call, median of repeats.
-Targets (issue): verify within 1.1x of SDPA-flash; draft >= 60 % of copy bandwidth;
+Targets: verify within 1.1x of SDPA-flash; draft >= 60 % of copy bandwidth;
 top-k < 5 % of a verification at 32K. Writes <out>.jsonl and <out>.md.
 """
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, run_metadata, write_rows  # noqa: E402
 
 import vegas_ext  # noqa: E402,F401  (loads torch.ops.vegas)
+from vegas_ext import ops  # noqa: E402
 
 _FLUSH = None
 
@@ -54,6 +65,85 @@ def cuda_time_ms(fn, target_ms=150.0, min_reps=5, max_reps=100):
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_syncs(fn):
+    """Synchronizing CUDA calls torch detects while fn() runs (set_sync_debug_mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def workspace_measured(call, out_bytes):
+    """Peak bytes requested from the caching allocator during call(), minus its outputs."""
+    call()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base - out_bytes
+
+
+def decode_step_check(layers=8, B=8, S=32768, gamma=6, K=1639, Hq=32, Hkv=8, D=128):
+    """One op-level Vegas decode step (gamma drafts over every layer, then the verification
+    of gamma + 1 queries over every layer with block scores, then top-k): host syncs per
+    step (default and with VEGAS_CUDA_VALUE_CHECKS=1) and step ms eager / CUDA graph."""
+    dev, dt, bs, scale = "cuda", torch.bfloat16, 1, D ** -0.5
+    kc = [torch.randn(B, Hkv, S, D, device=dev, dtype=dt) for _ in range(layers)]
+    vc = [torch.randn(B, Hkv, S, D, device=dev, dtype=dt) for _ in range(layers)]
+    qd = torch.randn(gamma, layers, B, 1, Hq, D, device=dev, dtype=dt)
+    qv = torch.randn(layers, B, gamma + 1, Hq, D, device=dev, dtype=dt)
+    lens = torch.full((B,), S - gamma - 1, dtype=torch.int32, device=dev)
+    idx = torch.rand(B * Hkv, S - 64, device=dev).argsort(dim=1)[:, :K].sort(dim=1).values
+    idx = idx.to(torch.int32).view(B, Hkv, K).contiguous()
+    kt = torch.full((B,), K, dtype=torch.int32, device=dev)
+
+    def step():
+        tail = lens - 1
+        for i in range(gamma):
+            for l in range(layers):
+                torch.ops.vegas.sparse_draft_attention(qd[i, l], kc[l], vc[l], idx, tail, lens + i + 1, bs, scale)
+        vlens = lens + gamma
+        sc = None
+        for l in range(layers):
+            _, _, bsc = torch.ops.vegas.verify_attention(qv[l], kc[l], vc[l], vlens, bs, scale, None)
+            sc = bsc if sc is None else sc + bsc
+        ncand = (vlens - gamma - 1).to(torch.int32)
+        idx.copy_(torch.ops.vegas.block_topk(sc, kt, ncand, K, 1))
+
+    r = dict(layers=layers, B=B, S=S, gamma=gamma, K=K, block_size=bs)
+    step()
+    r["host_syncs_per_step"] = host_syncs(step)
+    prev = os.environ.get("VEGAS_CUDA_VALUE_CHECKS")
+    os.environ["VEGAS_CUDA_VALUE_CHECKS"] = "1"
+    try:
+        r["host_syncs_per_step_with_value_checks"] = host_syncs(step)
+    finally:
+        if prev is None:
+            del os.environ["VEGAS_CUDA_VALUE_CHECKS"]
+        else:
+            os.environ["VEGAS_CUDA_VALUE_CHECKS"] = prev
+    r["step_ms_eager"] = cuda_time_ms(step, target_ms=300, max_reps=10)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    r["step_ms_graph"] = cuda_time_ms(graph.replay, target_ms=300, max_reps=10)
+    del kc, vc, graph
+    torch.cuda.empty_cache()
+    return r
 
 
 def copy_bandwidth():
@@ -100,8 +190,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--budget", type=float, default=0.05)
+    ap.add_argument("--skip-decode-step", action="store_true", help="skip the op-level decode-step check")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kernels_cuda")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -111,7 +202,7 @@ def main():
     torch.manual_seed(0)
     dev = "cuda"
     dt = torch.bfloat16
-    Q, Hq, Hkv, D, bs = 7, 32, 8, 128, args.block_size
+    Q, Hq, Hkv, D = 7, 32, 8, 128
     group, scale = Hq // Hkv, D ** -0.5
     meta = run_metadata(dev)
     props = torch.cuda.get_device_properties(0)
@@ -121,11 +212,12 @@ def main():
     lines = [
         f"# vegas CUDA kernels on {meta['device_name']} ({meta['sms']} SMs, sm_{props.major}{props.minor}), "
         f"torch {meta['torch']}, commit {meta['commit']}",
-        f"shape: Llama-3-8B = Qwen3-8B attention (Hq 32, Hkv 8, D 128), bf16, block {bs}; "
+        f"shape: Llama-3-8B = Qwen3-8B attention (Hq 32, Hkv 8, D 128), bf16, blocks {args.block_sizes}; "
         f"device-to-device copy {bw / 1e12:.2f} TB/s (read + write)",
         "",
-        "| S | B | verify ms | verify TB/s | SDPA-flash ms | verify / SDPA | draft ms | draft TB/s (% copy) | top-k ms (% verify) | max err vs SDPA |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| S | B | block | verify ms | verify TB/s | SDPA-flash ms | verify / SDPA | draft ms | draft TB/s (% copy) "
+        "| top-k ms (% verify) | max err vs SDPA | verify workspace MB (formula) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     rows = []
@@ -140,53 +232,66 @@ def main():
             k = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
             v = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
             lens = torch.full((B,), S, dtype=torch.int32, device=dev)
-            r = dict(meta, S=S, B=B, Q=Q, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, dtype="bfloat16")
-
-            ours = lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, None)  # noqa: E731
-            out, lse, bsc = ours()
-            r["verify_ms"] = cuda_time_ms(ours)
-            r["verify_bytes_per_s"] = kv_bytes / (r["verify_ms"] * 1e-3)
             sd, label, sd_out = sdpa_flash(q, k, v, group)
-            r["sdpa_variant"] = label
-            if sd is not None:
-                r["sdpa_ms"] = cuda_time_ms(sd)
-                r["verify_over_sdpa"] = r["verify_ms"] / r["sdpa_ms"]
-                r["max_err_vs_sdpa"] = (out.float() - sd_out.transpose(1, 2).float()).abs().max().item()
-            del sd, sd_out
-            torch.cuda.empty_cache()
+            sd_ms = cuda_time_ms(sd) if sd is not None else None
+            for bs in args.block_sizes:
+                r = dict(meta, S=S, B=B, Q=Q, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, dtype="bfloat16")
+                ours = lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, None)  # noqa: E731
+                out, lse, bsc = ours()
+                r["verify_ms"] = cuda_time_ms(ours)
+                r["verify_bytes_per_s"] = kv_bytes / (r["verify_ms"] * 1e-3)
+                r["sdpa_variant"] = label
+                if sd is not None:
+                    r["sdpa_ms"] = sd_ms
+                    r["verify_over_sdpa"] = r["verify_ms"] / r["sdpa_ms"]
+                    r["max_err_vs_sdpa"] = (out.float() - sd_out.transpose(1, 2).float()).abs().max().item()
+                out_bytes = sum(t.numel() * t.element_size() for t in (out, lse, bsc))
+                r["verify_workspace_bytes"] = workspace_measured(ours, out_bytes)
+                r["verify_workspace_bytes_formula"] = ops.cuda_workspace_bytes(
+                    "verify_attention", B, Q, Hq, Hkv, D, S, bs, num_sms=meta["sms"])
 
-            # draft: Q = 1, budget blocks among those before an 8-token tail
-            tail_len = 8
-            ncand = (S - tail_len) // bs
-            K = max(1, math.ceil(args.budget * S / bs))
-            idx = torch.rand(B * Hkv, ncand, device=dev).argsort(dim=1)[:, :K].sort(dim=1).values
-            idx = idx.to(torch.int32).view(B, Hkv, K).contiguous()
-            tail = torch.full((B,), S - tail_len, dtype=torch.int32, device=dev)
-            q1 = q[:, :1].contiguous()
-            draft = lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, scale)  # noqa: E731
-            draft()
-            r["draft_ms"] = cuda_time_ms(draft)
-            draft_bytes = 2 * B * Hkv * (K * bs + tail_len) * D * 2
-            r["draft_bytes_per_s"] = draft_bytes / (r["draft_ms"] * 1e-3)
-            r["draft_frac_of_copy"] = r["draft_bytes_per_s"] / bw
+                # draft: Q = 1, budget blocks among those before an 8-token tail
+                tail_len = 8
+                ncand = (S - tail_len) // bs
+                K = max(1, math.ceil(args.budget * S / bs))
+                idx = torch.rand(B * Hkv, ncand, device=dev).argsort(dim=1)[:, :K].sort(dim=1).values
+                idx = idx.to(torch.int32).view(B, Hkv, K).contiguous()
+                tail = torch.full((B,), S - tail_len, dtype=torch.int32, device=dev)
+                q1 = q[:, :1].contiguous()
+                draft = lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, scale)  # noqa: E731
+                draft()
+                r["draft_ms"] = cuda_time_ms(draft)
+                draft_bytes = 2 * B * Hkv * (K * bs + tail_len) * D * 2
+                r["draft_bytes_per_s"] = draft_bytes / (r["draft_ms"] * 1e-3)
+                r["draft_frac_of_copy"] = r["draft_bytes_per_s"] / bw
 
-            kt = torch.full((B,), K, dtype=torch.int32, device=dev)
-            nct = torch.full((B,), ncand, dtype=torch.int32, device=dev)
-            topk = lambda: torch.ops.vegas.block_topk(bsc, kt, nct, K, 1)  # noqa: E731
-            topk()
-            r["topk_ms"] = cuda_time_ms(topk)
-            r["topk_share_of_verify"] = r["topk_ms"] / r["verify_ms"]
-            rows.append(r)
-            sd_ms = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "n/a"
-            ratio = f"{r['verify_over_sdpa']:.2f}x" if "verify_over_sdpa" in r else f"n/a ({label})"
-            err = f"{r['max_err_vs_sdpa']:.1e}" if "max_err_vs_sdpa" in r else "-"
-            line = (f"| {S} | {B} | {r['verify_ms']:.3f} | {r['verify_bytes_per_s'] / 1e12:.2f} | {sd_ms} | {ratio} | "
-                    f"{r['draft_ms']:.3f} | {r['draft_bytes_per_s'] / 1e12:.2f} ({100 * r['draft_frac_of_copy']:.0f} %) | "
-                    f"{r['topk_ms']:.3f} ({100 * r['topk_share_of_verify']:.1f} %) | {err} |")
-            lines.append(line)
-            print(line, flush=True)
-            del q, k, v, out, lse, bsc, idx, q1
+                kt = torch.full((B,), K, dtype=torch.int32, device=dev)
+                nct = torch.full((B,), ncand, dtype=torch.int32, device=dev)
+                topk = lambda: torch.ops.vegas.block_topk(bsc, kt, nct, K, 1)  # noqa: E731
+                topk()
+                r["topk_ms"] = cuda_time_ms(topk)
+                r["topk_share_of_verify"] = r["topk_ms"] / r["verify_ms"]
+                rows.append(r)
+                sd_txt = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "n/a"
+                ratio = f"{r['verify_over_sdpa']:.2f}x" if "verify_over_sdpa" in r else f"n/a ({label})"
+                err = f"{r['max_err_vs_sdpa']:.1e}" if "max_err_vs_sdpa" in r else "-"
+                line = (f"| {S} | {B} | {bs} | {r['verify_ms']:.3f} | {r['verify_bytes_per_s'] / 1e12:.2f} | {sd_txt} | {ratio} | "
+                        f"{r['draft_ms']:.3f} | {r['draft_bytes_per_s'] / 1e12:.2f} ({100 * r['draft_frac_of_copy']:.0f} %) | "
+                        f"{r['topk_ms']:.3f} ({100 * r['topk_share_of_verify']:.1f} %) | {err} | "
+                        f"{r['verify_workspace_bytes'] / 1e6:.1f} ({r['verify_workspace_bytes_formula'] / 1e6:.1f}) |")
+                lines.append(line)
+                print(line, flush=True)
+                del out, lse, bsc, idx, q1
+            del sd, sd_out, q, k, v
             torch.cuda.empty_cache()
+    if not args.skip_decode_step:
+        ds = decode_step_check()
+        rows.append(dict(meta, kind="decode_step", **ds))
+        lines += ["", f"op-level decode step ({ds['layers']} layers, batch {ds['B']}, S {ds['S']}, gamma {ds['gamma']}, "
+                  f"block size {ds['block_size']}, K {ds['K']}): host syncs per step {ds['host_syncs_per_step']} "
+                  f"(with VEGAS_CUDA_VALUE_CHECKS=1: {ds['host_syncs_per_step_with_value_checks']}); "
+                  f"step {ds['step_ms_eager']:.2f} ms eager, {ds['step_ms_graph']:.2f} ms as a CUDA graph"]
+        print(lines[-1], flush=True)
     sdpa_labels = sorted({r.get("sdpa_variant", "") for r in rows})
     lines += ["", f"SDPA variant(s): {'; '.join(sdpa_labels)}",
               "targets: verify/SDPA <= 1.10x; draft >= 60 % of copy; top-k < 5 % of verify at S=32K"]

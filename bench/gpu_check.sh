@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One-call GPU check of the vegas CUDA kernels (issue: CUDA kernels), for a machine with
+# One-call GPU check of the vegas CUDA kernels, for a machine with
 # one NVIDIA GPU, torch (a CUDA build) and a CUDA toolkit already installed, no network:
 #   1. builds the extension in place for this GPU only (TORCH_CUDA_ARCH_LIST from the
 #      device's compute capability, MAX_JOBS = all cores);
 #   2. runs tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph
-#      replay, top-k ties/NaN; the CPU-only emulation tests are skipped here);
-#   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, Llama-3-8B /
-#      Qwen3-8B attention shape) and prints its table;
+#      replay of a whole decode step, no host sync, workspace = formula, top-k ties/NaN; the
+#      CPU-only emulation tests are skipped here) and the huge-block-size tests;
+#   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, block sizes 1 and
+#      16, Llama-3-8B / Qwen3-8B attention shape) and prints its table, with the workspace
+#      bytes of every verify call (measured and formula) and the host syncs per op-level
+#      decode step (expected 0; and with VEGAS_CUDA_VALUE_CHECKS=1 for comparison);
 #   4. times one decoding iteration end to end (bench/decode_step_costs.py): a random-weight
 #      model of Llama-3-8B's shape, bf16, 32K context, batch 8, gamma 6, fixed acceptance
 #      tau 5, our kernels -- vegas iteration vs tau plain steps (e2e_llama3_8b_shape.jsonl).
@@ -68,6 +71,7 @@ export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 step "2/4 tests/test_cuda_ops.py"
 set +e
 VEGAS_SKIP_EMULATOR=1 timeout 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
+  "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
 trc=${PIPESTATUS[0]}
 set -e
@@ -75,7 +79,7 @@ if [ "$trc" -ne 0 ]; then echo "TESTS FAILED (rc $trc; full log: tests.log)"; st
 
 step "3/4 kernel microbenchmarks"
 set +e
-timeout 180 "$PY" bench/bench_cuda_kernels.py --out "$RES/kernels_cuda"
+timeout 210 "$PY" bench/bench_cuda_kernels.py --out "$RES/kernels_cuda"
 brc=$?
 set -e
 if [ "$brc" -ne 0 ]; then echo "BENCHMARK FAILED (rc $brc)"; status=1; fi
@@ -89,6 +93,15 @@ VEGAS_CUDA_KERNELS=1 timeout 150 "$PY" bench/decode_step_costs.py --model-config
 erc=$?
 set -e
 if [ "$erc" -ne 0 ]; then echo "END-TO-END STEP FAILED (rc $erc)"; status=1; fi
+
+"$PY" - <<'EOF' || true
+from vegas_ext import ops
+B, Q, Hq, Hkv, D, S = 32, 7, 32, 8, 128, 131072
+for bs in (1, 16):
+    n = ops.cuda_workspace_bytes("verify_attention", B, Q, Hq, Hkv, D, S, bs)
+    print(f"verify_attention workspace per call, Llama-3-8B shape, S=128K, batch 32, Q=7, block {bs}: {n / 1e6:.1f} MB")
+EOF
+grep -h "host syncs per step" "$RES/kernels_cuda.md" 2>/dev/null || true
 
 step "done: tests rc=$trc, bench rc=$brc, $(( $(date +%s) - T0 ))s in all"
 exit $status

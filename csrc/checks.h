@@ -14,15 +14,29 @@ namespace vegas {
 // Sizes of one attention call. Tensors: q [B, Q, H_q, D]; k/v cache [B, H_kv, S, D].
 struct AttnDims {
   int64_t B, Q, Hq, Hkv, S, D, group;  // group = H_q / H_kv (GQA ratio)
+  // effective_block_size(block_size, S): the block length every launcher computes with
+  // (same blocks, same block indices and scores as the caller's block_size).
+  int64_t block_size;
 };
 
 // Overflow-safe ceil(a / b) for a >= 0, b >= 1 (block_size may be as large as INT64_MAX).
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // A block longer than the cache holds the whole cache: compute with that length, so
-// huge block sizes neither overflow nor allocate (block indices and scores are unchanged).
+// huge block sizes neither overflow nor allocate (block indices and scores are unchanged:
+// ceil(S / block_size) = 1 either way). Shared by the CPU and CUDA launchers and applied
+// before any limit check or narrowing; block_size >= 1.
 inline int64_t effective_block_size(int64_t block_size, int64_t S) {
   return std::min<int64_t>(block_size, std::max<int64_t>(S, 1));
+}
+
+// Saturating arithmetic on non-negative int64 (INT64_MAX on overflow), for size limits
+// that must not wrap: e.g. sat_add(sat_mul(K, block_size), S) < INT32_MAX.
+inline int64_t sat_add(int64_t a, int64_t b) {
+  return a > INT64_MAX - b ? INT64_MAX : a + b;
+}
+inline int64_t sat_mul(int64_t a, int64_t b) {
+  return (a != 0 && b > INT64_MAX / a) ? INT64_MAX : a * b;
 }
 
 inline bool is_attn_dtype(at::ScalarType t) {
@@ -87,6 +101,7 @@ inline AttnDims check_attention_inputs(const char* op, const at::Tensor& q,
               ": scale must be a positive finite float, got ", scale);
   check_int32_vector(op, seq_lens, "seq_lens", d.B);
   d.group = d.Hq / d.Hkv;
+  d.block_size = effective_block_size(block_size, d.S);
   return d;
 }
 

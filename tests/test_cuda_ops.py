@@ -5,20 +5,23 @@ Three groups:
 * ``test_cuda_kernels_compiled_in_this_build`` -- no GPU needed: when torch is a CUDA build
   and a CUDA toolkit is present (so setup.py builds the CUDA sources), the CUDA kernels
   must be registered. Skipped when the build was CPU-only by choice (VEGAS_BUILD_CUDA=0).
-* ``test_emulated_*`` -- no GPU needed: the kernel sources compiled as host C++ against
-  the software emulation in csrc/cuda/emu (one std::thread per CUDA thread, mma/ldmatrix
-  from the PTX fragment layouts), compared with the references. Evidence that indexing
-  and numerics are right, not a substitute for hardware. Compiles once (~1 min on 2
-  cores, cached); VEGAS_SKIP_EMULATOR=1 skips them.
+* ``test_emulated_*`` and the launch-plan tests -- no GPU needed: the kernel sources
+  compiled as host C++ against the software emulation in csrc/cuda/emu (tests/cuda_emu.py:
+  one std::thread per CUDA thread, mma/ldmatrix from the PTX fragment layouts), compared
+  with the references; the device-side guards (NaN rows) without host value checks; no
+  device-to-host copy per call by default; the workspace formula
+  (ops.cuda_workspace_bytes) against the launchers' plan. Evidence that indexing and
+  numerics are right, not a substitute for hardware. Compiles once (~1 min on 2 cores,
+  cached); VEGAS_SKIP_EMULATOR=1 skips them.
 * everything else -- needs a GPU (skipped cleanly without one): each kernel against the
   reference exactly as the CPU tests do, both kernel paths (tensor-core and SIMT, the
-  latter via VEGAS_CUDA_FORCE_SIMT=1), opcheck, CUDA-graph capture/replay, top-k ties/NaN.
-  These call torch.ops.vegas.* directly (the opt-in wrapper is for users).
+  latter via VEGAS_CUDA_FORCE_SIMT=1), opcheck, CUDA-graph capture/replay (verify -> top-k
+  -> draft, and a whole 3-layer decode step), no host sync in a decode step (torch's sync
+  debug mode), measured workspace = formula, top-k ties/NaN. These call
+  torch.ops.vegas.* directly (the opt-in wrapper is for users).
 """
-import hashlib
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,9 +36,9 @@ from op_utils import (
     shape_id,
     verify_case,
 )
+from cuda_emu import load_emulator
 from vegas_ext import ops, reference
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 CUDA = "cuda"
@@ -65,39 +68,16 @@ def test_cuda_kernels_compiled_in_this_build():
 # ---------------------------------------------------------------------------
 # software emulation of the kernels (no GPU)
 # ---------------------------------------------------------------------------
-_EMU = None
-
-
-def _emu():
-    global _EMU
-    if os.environ.get("VEGAS_SKIP_EMULATOR", "0") == "1":
-        pytest.skip("VEGAS_SKIP_EMULATOR=1")
-    if _EMU is None:
-        from torch.utils import cpp_extension
-
-        srcs = sorted((ROOT / "csrc" / "cuda").rglob("*")) + [ROOT / "csrc" / "checks.h"]
-        h = hashlib.sha1()
-        for p in srcs:
-            if p.is_file() and p.suffix in (".h", ".cuh", ".cpp"):
-                h.update(p.read_bytes())
-        try:
-            _EMU = cpp_extension.load(
-                name=f"vegas_cuda_emu_{h.hexdigest()[:12]}",
-                sources=[str(ROOT / "csrc" / "cuda" / "emu" / "emu_ops.cpp")],
-                extra_include_paths=[str(ROOT / "csrc")],
-                extra_cflags=["-DVEGAS_EMULATE", "-std=c++20", "-O1", "-g0"],
-                verbose=False,
-            )
-        except Exception as e:  # no compiler / ninja: not the kernels' fault
-            pytest.skip(f"could not build the kernel emulation: {e}")
-    return _EMU
+_emu = load_emulator
 
 
 EMU_VERIFY = [  # (B, Q, H_q, H_kv, D, S, block_size)
-    (2, 7, 9, 3, 64, 300, 16),
-    (2, 3, 4, 1, 128, 257, 1),
+    (2, 7, 9, 3, 64, 300, 16),  # slots, one per 16-token step
+    (2, 3, 4, 1, 128, 257, 1),  # block-score pass
     (3, 2, 9, 3, 80, 77, 64),
-    (1, 17, 12, 1, 96, 100, 7),
+    (1, 17, 12, 1, 96, 100, 7),  # 204 rows: score pass on the tensor-core path, slots on SIMT
+    (2, 4, 8, 2, 64, 700, 5),  # score pass: blocks cut by tiles and chunks
+    (2, 2, 8, 2, 64, 200, 20),  # slots, two per step
 ]
 EMU_PATHS = [  # (dtype, force SIMT, min tiles per split: 1 = many splits)
     (torch.bfloat16, False, 1),
@@ -120,7 +100,7 @@ def test_emulated_verify_attention(shape, path):
     q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=1)
     scale = D ** -0.5
     w = torch.rand(Q) + 0.5
-    out, lse, bsc = emu.verify_attention(q, k, v, lens, bs, scale, w, simt, 3, True, min_tiles)
+    out, lse, bsc = emu.verify_attention(q, k, v, lens, bs, scale, w, simt, 3, 1, min_tiles)
     out_r, lse_r, bsc_r = reference.verify_attention(q, k, v, lens, bs, scale, w)
     allowed = reference.causal_allowed_mask(lens, Q, S, q.device).unsqueeze(1)
     assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
@@ -142,7 +122,7 @@ def test_emulated_sparse_draft_attention(shape, path):
     tail = torch.stack([torch.randint(0, int(n) - Q + 1, (1,), generator=g)[0] for n in lens]).int()
     idx = random_selection(B, Hkv, -(-S // bs), K, seed=2)
     scale = D ** -0.5
-    out = emu.sparse_draft_attention(q, k, v, idx, tail, lens, bs, scale, simt, 3, True, min_tiles)
+    out = emu.sparse_draft_attention(q, k, v, idx, tail, lens, bs, scale, simt, 3, 1, min_tiles)
     out_r = reference.sparse_draft_attention(q, k, v, idx, tail, lens, bs, scale)
     allowed = reference.draft_allowed_mask(q, k, idx, tail, lens, bs)
     assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
@@ -186,11 +166,12 @@ EMU_TOPK_CASES = [(1, 1, 1, 1, 0), (2, 3, 17, 5, 1), (2, 2, 2048, 103, 2), (3, 2
 def test_emulated_block_topk(case, kind):
     emu = _emu()
     s, k, nc, max_k, sinks = _topk_args(case, kind)
-    assert torch.equal(emu.block_topk(s, k, nc, max_k, sinks, True), reference.block_topk(s, k, nc, max_k, sinks))
+    assert torch.equal(emu.block_topk(s, k, nc, max_k, sinks, 1), reference.block_topk(s, k, nc, max_k, sinks))
 
 
+@pytest.mark.parametrize("bs", [1, 16])
 @pytest.mark.parametrize("path", EMU_PATHS, ids=_path_id)
-def test_emulated_nan_propagates(path):
+def test_emulated_nan_propagates(path, bs):
     """A NaN key poisons the rows that see it (as the reference), also across splits."""
     emu = _emu()
     dtype, simt, min_tiles = path
@@ -199,25 +180,131 @@ def test_emulated_nan_propagates(path):
     v = torch.randn(1, 1, 600, 64).to(dtype)
     k[0, 0, 3, 0] = float("nan")
     lens = torch.tensor([600], dtype=torch.int32)
-    out, lse, bsc = emu.verify_attention(q, k, v, lens, 16, 0.125, None, simt, 3, True, min_tiles)
+    out, lse, bsc = emu.verify_attention(q, k, v, lens, bs, 0.125, None, simt, 3, 1, min_tiles)
     assert torch.isnan(out).all() and torch.isnan(lse).all() and not torch.isinf(bsc).any()
 
 
-def test_emulated_unchecked_values_do_not_crash():
-    """Under graph capture the value checks are skipped: out-of-range seq_lens, tail_start
-    and block indices must be clamped / masked by the kernels (garbage out, no OOB)."""
+def _guard_inputs():
+    """Out-of-range device values, as they could reach the kernels without host checks:
+    rows 0 and 1 are invalid (seq_lens outside [Q, S]; for the draft also a negative
+    tail_start), row 2 is valid (its block indices include out-of-range ones)."""
+    B, Q, Hq, Hkv, D, S = 3, 2, 8, 2, 64, 90
+    q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.bfloat16, seed=5)
+    lens = torch.tensor([S + 7, -3, 61], dtype=torch.int32)
+    return q, k, v, lens
+
+
+@pytest.mark.parametrize("simt", [False, True], ids=["auto", "simt"])
+@pytest.mark.parametrize("bs", [1, 16], ids=["bs1-score-pass", "bs16-slots"])
+def test_emulated_device_guards_poison_bad_rows(bs, simt):
+    """Without the host-side value checks (the CUDA default) the kernels neither read out of
+    bounds nor return plausible numbers for bad rows: every output of a row with an
+    out-of-range seq_len / tail_start is NaN, block indices out of range select nothing,
+    and the valid row equals the reference."""
     emu = _emu()
-    B, Q, Hq, Hkv, D, S, bs = 3, 2, 8, 2, 64, 90, 16
-    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, torch.bfloat16)
-    bad_lens = torch.tensor([S + 7, -3, 1], dtype=torch.int32)
-    emu.verify_attention(q, k, v, bad_lens, bs, 0.125, None, False, 3, False, 1)
-    idx = torch.tensor([[[0, 99, -5]], [[-1, 2, 6]], [[1, 1, 1]]], dtype=torch.int32).expand(B, Hkv, 3).contiguous()
-    tail = torch.tensor([S + 3, -8, 50], dtype=torch.int32)
-    emu.sparse_draft_attention(q, k, v, idx, tail, bad_lens, bs, 0.125, False, 3, False, 1)
-    emu.sparse_draft_attention(q, k, v, idx, tail, bad_lens, bs, 0.125, True, 3, False, 1)
+    q, k, v, lens = _guard_inputs()
+    S, nb = k.shape[2], -(-k.shape[2] // bs)
+    out, lse, bsc = emu.verify_attention(q, k, v, lens, bs, 0.125, None, simt, 3, 0, 1)
+    for t in (out, lse, bsc):
+        assert torch.isnan(t[:2]).all()
+    want = reference.verify_attention(q[2:], k[2:], v[2:], lens[2:], bs, 0.125)
+    assert max_err(out[2:], want[0]) <= 2e-2 and max_err(lse[2:], want[1]) <= 1e-3
+    assert max_err(bsc[2:], want[2]) <= 1e-4 * q.shape[1] * 4
+
+    qd = q[:, :1].contiguous()
+    lens_d = torch.tensor([S + 7, 60, 50], dtype=torch.int32)
+    tail = torch.tensor([3, -8, 40], dtype=torch.int32)
+    idx = torch.tensor([[0, 1, 2], [0, 1, 2], [1, nb + 5, -5]], dtype=torch.int32)[:, None].expand(3, 2, 3).contiguous()
+    outd = emu.sparse_draft_attention(qd, k, v, idx, tail, lens_d, bs, 0.125, simt, 3, 0, 1)
+    assert torch.isnan(outd[:2]).all()
+    idx_ok = torch.tensor([1, -1, -1], dtype=torch.int32).expand(1, 2, 3).contiguous()
+    want_d = reference.sparse_draft_attention(qd[2:], k[2:], v[2:], idx_ok, tail[2:], lens_d[2:], bs, 0.125)
+    assert max_err(outd[2:], want_d) <= 2e-2
+
+
+def test_emulated_topk_clamps_unchecked_counts():
+    emu = _emu()
     s = torch.randn(3, 2, 50)
-    out = emu.block_topk(s, torch.tensor([-4, 99, 5], dtype=torch.int32), torch.tensor([70, -1, 9], dtype=torch.int32), 8, 2, False)
-    assert out.shape == (3, 2, 8)
+    k = torch.tensor([-4, 99, 5], dtype=torch.int32)
+    nc = torch.tensor([70, -1, 9], dtype=torch.int32)
+    got = emu.block_topk(s, k, nc, 8, 2, 0)
+    assert torch.equal(got, reference.block_topk(s, k.clamp(min=0), nc.clamp(min=0), 8, 2))
+
+
+def test_emulated_no_host_copies_unless_value_checks_requested(monkeypatch):
+    """The ops' host logic makes no device-to-host copy (no host sync) by default;
+    VEGAS_CUDA_VALUE_CHECKS=1 turns the value checks (one copy per checked tensor) on."""
+    emu = _emu()
+    q, k, v, lens = make_inputs(2, 3, 8, 2, 64, 100, torch.bfloat16, seed=6)
+    idx = random_selection(2, 2, 100, 4, seed=6)
+    tail = (lens - 3).to(torch.int32)
+    s = torch.rand(2, 2, 20)
+    kk = torch.tensor([3, 4], dtype=torch.int32)
+
+    def calls():
+        emu.verify_attention(q, k, v, lens, 1, 0.125, None, False, 3, -1, 4)
+        emu.sparse_draft_attention(q, k, v, idx, tail, lens, 1, 0.125, False, 3, -1, 4)
+        emu.block_topk(s, kk, kk, 4, 1, -1)
+
+    monkeypatch.delenv("VEGAS_CUDA_VALUE_CHECKS", raising=False)
+    n0 = emu.host_copies()
+    calls()
+    assert emu.host_copies() == n0
+    monkeypatch.setenv("VEGAS_CUDA_VALUE_CHECKS", "1")
+    calls()
+    assert emu.host_copies() == n0 + 1 + 3 + 2
+    bad = lens.clone()
+    bad[0] = 101
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        emu.verify_attention(q, k, v, bad, 1, 0.125, None, False, 3, -1, 4)
+
+
+@pytest.mark.parametrize("bs,mode", [(1, "score_pass"), (7, "score_pass"), (15, "score_pass"), (16, "slots"), (20, "slots"), (2**62, "slots")])
+def test_block_score_mode_by_block_size(bs, mode):
+    emu = _emu()
+    for dt, aligned in ((torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)):
+        assert emu.score_mode(2, 7, 32, 8, 128, 4096, bs, dt, aligned) == mode
+
+
+WS_SHAPES = [  # (B, Q, Hq, Hkv, D, S, block_size, K)
+    (32, 7, 32, 8, 128, 131072, 1, 0),
+    (8, 7, 32, 8, 128, 32768, 16, 0),
+    (1, 1, 4, 1, 64, 1, 1, 1),
+    (3, 17, 12, 1, 96, 100, 7, 5),
+    (2, 16, 64, 2, 256, 5000, 3, 40),  # too many rows for the score pass: slots
+    (4, 5, 8, 8, 80, 1000, 2**63 - 1, 1),
+    (2, 1, 32, 8, 128, 131072, 1, 6554),
+]
+
+
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}Q{}Hq{}Hkv{}D{}S{}bs{}K{}".format(*s))
+def test_workspace_formula_matches_launch_plan(shape):
+    """ops.cuda_workspace_bytes (the documented formula) equals the workspace the CUDA
+    launchers allocate (ops_host.h's plan), for both ops, dtypes, both kernel paths."""
+    emu = _emu()
+    B, Q, Hq, Hkv, D, S, bs, K = shape
+    for op in ("verify_attention", "sparse_draft_attention"):
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for aligned in (True, False):
+                for sms in (1, 108, 132):
+                    got = ops.cuda_workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dtype=dt, aligned=aligned, num_sms=sms)
+                    assert got == emu.workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dt, aligned, sms, 4), (op, dt, aligned, sms)
+
+
+def test_workspace_llama3_8b_128k_batch32():
+    """Llama-3-8B attention (32 query / 8 KV heads, head_dim 128), S = 128K, batch 32, Q = 7,
+    bf16, 132 SMs (H100 / H200): at block size 1 the verification needs only its split
+    partials (3 splits) -- 11.2 MB, where a [Q, S] probability buffer would take 3.76 GB."""
+    B, Q, Hq, Hkv, D, S = 32, 7, 32, 8, 128, 131072
+    R = Q * Hq // Hkv
+    n = ops.cuda_workspace_bytes("verify_attention", B, Q, Hq, Hkv, D, S, 1, num_sms=132)
+    assert n == 4 * B * Hkv * R * (3 * (D + 2) + 1) == 11_210_752
+    dense = 4 * B * Hq * Q * S
+    assert n < dense / 300
+    n16 = ops.cuda_workspace_bytes("verify_attention", B, Q, Hq, Hkv, D, S, 16, num_sms=132)
+    assert n16 == n + 4 * B * Hkv * R * (S // 16) == 246_091_776  # 1-slot per 16-token step
+    nd = ops.cuda_workspace_bytes("sparse_draft_attention", B, 1, Hq, Hkv, D, S, 1, 6554, num_sms=132)
+    assert nd == 4 * B * Hkv * 4 * (3 * (D + 2) + 1)
 
 
 # ---------------------------------------------------------------------------
@@ -377,7 +464,8 @@ def test_block_topk_ties_prefer_lower_index_and_nan_last():
 
 
 @gpu
-def test_cuda_bad_values_raise():
+def test_cuda_bad_values_raise_with_value_checks(monkeypatch):
+    monkeypatch.setenv("VEGAS_CUDA_VALUE_CHECKS", "1")
     q, k, v, lens = make_inputs(2, 2, 4, 2, 64, 50, torch.bfloat16, device=CUDA)
     bad = torch.tensor([51, 2], dtype=torch.int32, device=CUDA)
     with pytest.raises((RuntimeError, ValueError), match="seq_lens"):
@@ -407,6 +495,16 @@ def test_opcheck_cuda():
     kk = torch.tensor([3, 9], dtype=torch.int32, device=CUDA)
     nc = torch.tensor([7, 5], dtype=torch.int32, device=CUDA)
     torch.library.opcheck(torch.ops.vegas.block_topk.default, (s, kk, nc, 4, 1))
+
+
+@gpu
+def test_cuda_bad_values_poison_rows_by_default(monkeypatch):
+    monkeypatch.delenv("VEGAS_CUDA_VALUE_CHECKS", raising=False)
+    q, k, v, lens = (t.to(CUDA) for t in _guard_inputs())
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, 1, 0.125, None)
+    assert torch.isnan(out[:2]).all() and torch.isnan(lse[:2]).all() and torch.isnan(bsc[:2]).all()
+    want = reference.verify_attention(q[2:], k[2:], v[2:], lens[2:], 1, 0.125)
+    assert max_err(out[2:], want[0]) <= 2e-2 and max_err(bsc[2:], want[2]) <= 1e-3
 
 
 @gpu
@@ -453,3 +551,132 @@ def test_cuda_graph_capture_and_replay():
                 assert torch.equal(a, b)
             else:
                 assert max_err(a, b) == 0.0  # same kernels, same launch plan: bitwise equal
+
+
+def _decode_step_setup(layers=3, B=2, Hq=8, Hkv=2, D=64, S=1024, bs=1, gamma=3, K=12, dtype=torch.bfloat16):
+    """State of an op-level Vegas decode step on static buffers (a KV cache per layer,
+    lengths, the selection of the last verification) and the step itself: gamma draft
+    steps over every layer, each writing its token's K/V at device-side positions, then
+    the verification of gamma + 1 queries over every layer with block scores and the
+    top-k selection for the next round -- what a decode loop runs per iteration."""
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(CUDA)  # noqa: E731
+    st = dict(
+        k=[rnd(B, Hkv, S, D) for _ in range(layers)], v=[rnd(B, Hkv, S, D) for _ in range(layers)],
+        qd=rnd(gamma, layers, B, 1, Hq, D), kd=rnd(gamma, layers, B, Hkv, 1, D), vd=rnd(gamma, layers, B, Hkv, 1, D),
+        qv=rnd(layers, B, gamma + 1, Hq, D),
+        lens=torch.tensor([S // 2, S - gamma - 5], dtype=torch.int32, device=CUDA),
+        idx=torch.stack([torch.randperm((S // 2 - 8) // bs, generator=g)[:K].sort().values for _ in range(B * Hkv)]).int().view(B, Hkv, K).to(CUDA),
+    )
+    scale = D ** -0.5
+
+    def step():
+        lens, tail = st["lens"], st["lens"] - 1
+        outs = []
+        for i in range(gamma):
+            pos = (lens + i).long().view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+            for l in range(layers):
+                st["k"][l].scatter_(2, pos, st["kd"][i, l])
+                st["v"][l].scatter_(2, pos, st["vd"][i, l])
+                outs.append(torch.ops.vegas.sparse_draft_attention(
+                    st["qd"][i, l], st["k"][l], st["v"][l], st["idx"], tail, lens + i + 1, bs, scale))
+        vlens = lens + gamma  # the verification sees the gamma drafts and the last accepted token
+        scores = []
+        for l in range(layers):
+            out, lse, bsc = torch.ops.vegas.verify_attention(st["qv"][l], st["k"][l], st["v"][l], vlens, bs, scale, None)
+            outs += [out, lse]
+            scores.append(bsc)
+        sc = torch.stack(scores).sum(0)
+        kt = torch.full((B,), K, dtype=torch.int32, device=CUDA)
+        ncand = torch.div(vlens - gamma - 1, bs, rounding_mode="floor").to(torch.int32)
+        st["idx"].copy_(torch.ops.vegas.block_topk(sc, kt, ncand, K, 1))
+        outs.append(st["idx"].clone())
+        return outs
+
+    return st, step
+
+
+@gpu
+@pytest.mark.parametrize("bs", [1, 16])
+def test_cuda_graph_whole_decode_step(bs, monkeypatch):
+    """A whole decode step (drafts + verification + selection, 3 layers) captured in one
+    CUDA graph and replayed equals eager execution bitwise; the eager step makes no host
+    sync (torch's sync debug mode raises on any)."""
+    monkeypatch.delenv("VEGAS_CUDA_VALUE_CHECKS", raising=False)
+    st, step = _decode_step_setup(bs=bs)
+    init = {n: ([t.clone() for t in st[n]] if isinstance(st[n], list) else st[n].clone()) for n in ("k", "v", "idx")}
+
+    def restore():
+        for n, t in init.items():
+            if isinstance(t, list):
+                for a, b in zip(st[n], t):
+                    a.copy_(b)
+            else:
+                st[n].copy_(t)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    restore()
+    graph.replay()
+    replayed = [t.clone() for t in static]
+    restore()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert len(eager) == len(replayed)
+    for a, b in zip(replayed, eager):
+        assert torch.equal(a, b) if a.dtype == torch.int32 else torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@gpu
+def test_cuda_value_checks_flag_is_the_only_sync(monkeypatch):
+    """The sync detector works: with VEGAS_CUDA_VALUE_CHECKS=1 the same ops do sync."""
+    monkeypatch.setenv("VEGAS_CUDA_VALUE_CHECKS", "1")
+    q, k, v, lens = make_inputs(2, 3, 8, 2, 64, 100, torch.bfloat16, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.ops.vegas.verify_attention(q, k, v, lens, 16, 0.125, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+@pytest.mark.parametrize("bs", [1, 16])
+def test_cuda_workspace_matches_formula(bs):
+    """Peak of the bytes requested from the caching allocator during one verify / draft
+    call, minus its outputs, equals ops.cuda_workspace_bytes."""
+    B, Q, Hq, Hkv, D, S, K = 4, 7, 32, 8, 128, 8192, 64
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, torch.bfloat16, device=CUDA)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    idx = random_selection(B, Hkv, -(-S // bs), K).to(CUDA)
+    tail = (lens - 1).to(torch.int32)
+    q1 = q[:, :1].contiguous()
+    for op, call, outs in (
+        ("verify_attention", lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None), 3),
+        ("sparse_draft_attention", lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, D ** -0.5), 1),
+    ):
+        call()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+        torch.cuda.reset_peak_memory_stats()
+        res = call()
+        torch.cuda.synchronize()
+        res = res if isinstance(res, tuple) else (res,)
+        out_bytes = sum(t.numel() * t.element_size() for t in res)
+        measured = torch.cuda.memory_stats()["requested_bytes.all.peak"] - base - out_bytes
+        Qo = Q if op == "verify_attention" else 1
+        want = ops.cuda_workspace_bytes(op, B, Qo, Hq, Hkv, D, S, bs, K, num_sms=sms)
+        assert measured == want, (op, measured, want)

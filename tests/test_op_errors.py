@@ -168,16 +168,52 @@ def test_pos_inf_key_matches_reference_and_neg_inf_score_is_masked():
         torch.testing.assert_close(got, want, equal_nan=True)
 
 
-@pytest.mark.parametrize("block_size", [2**62, 2**63 - 1])
-def test_huge_block_size_is_one_block(block_size):
-    q, k, v, lens = base()
-    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, block_size, 0.125, None)
+def _huge_block_impl(impl):
+    """(verify, draft, dtype, device) of one implementation: the compiled CPU kernels, the
+    CUDA kernels in the host emulation (tensor-core path on bf16, SIMT path on fp32; CUDA
+    defaults: no host-side value checks), or the CUDA kernels on a GPU."""
+    if impl == "cpu":
+        return torch.ops.vegas.verify_attention, torch.ops.vegas.sparse_draft_attention, torch.float32, "cpu"
+    if impl == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        return torch.ops.vegas.verify_attention, torch.ops.vegas.sparse_draft_attention, torch.float32, "cuda"
+    from cuda_emu import load_emulator
+
+    emu = load_emulator()
+    simt = impl == "emu-simt"
+    dtype = torch.float32 if simt else torch.bfloat16
+
+    def verify(q, k, v, lens, bs, scale, w):
+        return emu.verify_attention(q, k, v, lens, bs, scale, w, simt, 3, -1, 1)
+
+    def draft(q, k, v, idx, tail, lens, bs, scale):
+        return emu.sparse_draft_attention(q, k, v, idx, tail, lens, bs, scale, simt, 3, -1, 1)
+
+    return verify, draft, dtype, "cpu"
+
+
+@pytest.mark.parametrize("impl", ["cpu", "emu-mma", "emu-simt", "cuda"])
+@pytest.mark.parametrize("block_size", [2**62, 2**63 - 1, 2**62 + 5, 2**31 + 3, S + 1, S])
+def test_huge_block_size_is_one_block(block_size, impl):
+    """Any block_size >= S is one block holding the whole cache, on every path: the
+    launchers clamp it (min(block_size, S)) before any size check or narrowing, so values
+    near 2^63 neither wrap nor truncate (2^62 + 5 must not act as block size 5)."""
+    verify, draft, dtype, dev = _huge_block_impl(impl)
+    q, k, v, lens = (t.to(dev) for t in base())
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, lse, bsc = verify(q, k, v, lens, block_size, 0.125, None)
     assert bsc.shape == (B, Hkv, 1)
-    torch.testing.assert_close(bsc[..., 0], torch.full((B, Hkv), float(Q * Hq // Hkv)))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(bsc[..., 0].cpu(), torch.full((B, Hkv), float(Q * Hq // Hkv)), rtol=1e-5, atol=1e-4)
     ref = ops.reference.verify_attention(q, k, v, lens, S, 0.125)
-    torch.testing.assert_close(out, ref[0])
-    d = torch.ops.vegas.sparse_draft_attention(q[:, :1], k, v, torch.zeros(B, Hkv, 1, dtype=torch.int32), torch.tensor([30, 10], dtype=torch.int32), lens, block_size, 0.125)
-    assert torch.isfinite(d).all()
+    torch.testing.assert_close(out.float(), ref[0].float(), **tol)
+    torch.testing.assert_close(lse, ref[1], rtol=1e-4, atol=1e-4)
+    idx = torch.zeros(B, Hkv, 1, dtype=torch.int32, device=dev)
+    tail = torch.tensor([30, 10], dtype=torch.int32, device=dev)
+    d = draft(q[:, :1].contiguous(), k, v, idx, tail, lens, block_size, 0.125)
+    want = ops.reference.sparse_draft_attention(q[:, :1], k, v, idx, tail, lens, S, 0.125)
+    torch.testing.assert_close(d.float(), want.float(), **tol)
 
 
 def test_k_and_v_with_different_strides():

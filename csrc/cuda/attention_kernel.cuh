@@ -8,8 +8,10 @@
 // Interface:
 //   void init(const AttnParams&, int b, int g);  int L;  (seq_len, clamped to [0, S])
 //   int length() const;   int token(int v) const;   static constexpr bool kBlockScores;
-// Values that could be out of range when the host-side checks are skipped (CUDA-graph
-// capture) are clamped or masked there, so no kernel reads outside the cache.
+// Values that could be out of range when the host-side value checks are skipped (the
+// default on CUDA, and always under CUDA-graph capture) are clamped or masked there, so
+// no kernel reads outside the cache; attn_lse_kernel / attn_combine_kernel then poison
+// (NaN) every output of a row whose seq_len (or tail_start) is out of range.
 //
 // Numerics: scores q.k accumulate in fp32 (fp16 inputs whose products pass 65504 stay
 // finite), are multiplied by scale * log2(e) and kept in base 2; online softmax in fp32
@@ -108,8 +110,8 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
   const int nthreads = block_dim_x();
   const int warps = p.rg * p.ns;
   T* kv_s = reinterpret_cast<T*>(smem);  // [stage][K|V][TILE][LDS]
-  int* tok_s = reinterpret_cast<int*>(smem + size_t(2) * 2 * TILE * LDS * sizeof(T));  // [stage][TILE]
-  float* pbuf = reinterpret_cast<float*>(tok_s + 2 * TILE);  // [warps][16][kStep + 1]
+  int* tok_s = reinterpret_cast<int*>(smem + size_t(2) * 2 * TILE * LDS * sizeof(T));  // [3][TILE]
+  float* pbuf = reinterpret_cast<float*>(tok_s + 3 * TILE);  // [warps][16][kStep + 1]
   float* mbuf = pbuf + warps * 16 * (kStep + 1);               // [warps][16]
 
   Map map;
@@ -148,13 +150,21 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
   const T* kg = static_cast<const T*>(p.k) + int64_t(b) * p.k_sb + int64_t(g) * p.k_sh;
   const T* vg = static_cast<const T*>(p.v) + int64_t(b) * p.v_sb + int64_t(g) * p.v_sh;
 
+  // The token list of tile vt is filled once (one map lookup per token, not per 16-byte
+  // chunk) into buffer (vt - vt0) % 3, two tiles ahead of its use: the buffer of the
+  // tile being computed and the one being issued are never the one being filled.
+  auto fill_tokens = [&](int vt) {
+    int* tb = tok_s + ((vt - vt0) % 3) * TILE;
+    for (int r = tid; r < TILE; r += nthreads) tb[r] = map.token(vt * TILE + r);
+  };
   auto issue = [&](int vt, int stage) {
     T* ks = kv_s + size_t(stage * 2 + 0) * TILE * LDS;
     T* vs = kv_s + size_t(stage * 2 + 1) * TILE * LDS;
+    const int* tb = tok_s + ((vt - vt0) % 3) * TILE;
     for (int c = tid; c < TILE * CH; c += nthreads) {
       const int row = c / CH;
       const int ch = c - row * CH;
-      const int tok = map.token(vt * TILE + row);
+      const int tok = tb[row];
       if (tok >= 0) {
         cp_async16(ks + row * LDS + ch * 8, kg + int64_t(tok) * p.k_st + ch * 8);
         cp_async16(vs + row * LDS + ch * 8, vg + int64_t(tok) * p.v_st + ch * 8);
@@ -162,12 +172,16 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
         store_zero16(ks + row * LDS + ch * 8);
         store_zero16(vs + row * LDS + ch * 8);
       }
-      if (ch == 0) tok_s[stage * TILE + row] = tok;
     }
     cp_async_commit();
   };
 
-  if (vt0 < vt1) issue(vt0, 0);
+  if (vt0 < vt1) {  // uniform over the CTA
+    fill_tokens(vt0);
+    if (vt0 + 1 < vt1) fill_tokens(vt0 + 1);
+    block_sync();
+    issue(vt0, 0);
+  }
   for (int vt = vt0; vt < vt1; ++vt) {
     const int stage = (vt - vt0) & 1;
     if (vt + 1 < vt1) {
@@ -180,7 +194,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
     if (warp_active) {
       const T* ks = kv_s + size_t(stage * 2 + 0) * TILE * LDS;
       const T* vs = kv_s + size_t(stage * 2 + 1) * TILE * LDS;
-      const int* tk = tok_s + stage * TILE;
+      const int* tk = tok_s + ((vt - vt0) % 3) * TILE;
       for (int q4 = st; q4 < TILE / kStep; q4 += p.ns) {
         const int base = q4 * kStep;
         if (vt * TILE + base >= vlen) break;  // warp-uniform
@@ -262,8 +276,9 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
             mma_16816<T>(o[dn + 1], pa, vb[2], vb[3]);
           }
         }
-        // ---- block-score slots (fp32 probabilities, before rounding)
-        if constexpr (Map::kBlockScores) {
+        // ---- block-score slots (fp32 probabilities, before rounding); p.slots is null
+        // when the block scores come from the block-score pass instead (warp-uniform)
+        if (Map::kBlockScores && p.slots != nullptr) {
           float* pb = pbuf + warp * 16 * (kStep + 1);
           float* mb = mbuf + warp * 16;
           const int c0 = 2 * tq;
@@ -285,6 +300,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
         }
       }
     }
+    if (vt + 2 < vt1) fill_tokens(vt + 2);
     block_sync();  // the stage is refilled by the next iteration's issue
   }
 
@@ -493,7 +509,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_simt_kernel(const AttnParams p) 
             }
           }
         }
-        if constexpr (Map::kBlockScores)
+        if (Map::kBlockScores && p.slots != nullptr)
           write_block_slots(p, pb, mb, RW, row0, bg, (vt * tile + base) / kStep, lane);
         warp_sync();
       }
@@ -562,7 +578,19 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_simt_kernel(const AttnParams p) 
 // `lse2` workspace [B * Hkv, R], and as natural-log lse to c.lse when given).
 // Kernel 2: out = sum_p o_p * 2^(m_p - lse2); block_scores[j] = sum over rows r of
 // w(r) * sum over the steps u overlapping block j of 2^(slot[r, u, j] - lse2[r]).
+// Device-side guard: a batch row whose seq_len lies outside [Q, S] (or whose tail_start
+// lies outside [0, seq_len - Q], draft) gets NaN lse, out and block scores.
 // ---------------------------------------------------------------------------
+VEGAS_DEVICE bool row_values_bad(const CombineParams& c, int b) {
+  const int len = c.seq_lens[b];
+  bool bad = len < c.Q || len > c.S;
+  if (c.tail_start) {
+    const int ts = c.tail_start[b];
+    bad = bad || ts < 0 || ts > len - c.Q;
+  }
+  return bad;
+}
+
 static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_lse_kernel(const CombineParams c, float* lse2) {
   const int bg = block_x();
   const int r = block_y() * block_dim_x() + thread_x();
@@ -585,6 +613,7 @@ static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_lse_kernel(const CombineP
     const float lq = c.part_l[ml + int64_t(q) * c.R];
     if (lq > 0.f) tot += lq * fast_exp2(c.part_m[ml + int64_t(q) * c.R] - M);
   }
+  poisoned = poisoned || row_values_bad(c, b);
   const float v = poisoned ? nanf("") : (tot > 0.f ? M + fast_log2(tot) : kNegInf);
   lse2[int64_t(bg) * c.R + r] = v;
   if (c.lse) {
@@ -613,7 +642,9 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_combine_kernel(const CombinePara
     const int d = static_cast<int>(e - int64_t(r) * c.D);
     const float L2 = lrow[r];
     float acc = 0.f;
-    if (L2 != kNegInf) {
+    if (L2 != L2) {
+      acc = L2;  // poisoned row: NaN even where no split saw a finite token
+    } else if (L2 != kNegInf) {
       for (int q = 0; q < c.np; ++q) {
         const int64_t idx = ml0 + int64_t(q) * c.R + r;
         const float lq = c.part_l[idx];
@@ -626,6 +657,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_combine_kernel(const CombinePara
   }
   if (c.block_scores) {
     const int bs = c.block_size;
+    const bool bad = row_values_bad(c, b);
     int L = c.seq_lens[b];
     L = L < 0 ? 0 : (L > c.S ? c.S : L);
     for (int64_t j = int64_t(chunk) * nth + tid; j < c.nblocks; j += int64_t(nchunk) * nth) {
@@ -647,7 +679,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_combine_kernel(const CombinePara
           score += w * a;
         }
       }
-      c.block_scores[int64_t(bg) * c.nblocks + j] = score;
+      c.block_scores[int64_t(bg) * c.nblocks + j] = bad ? nanf("") : score;
     }
   }
 }

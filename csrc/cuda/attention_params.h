@@ -17,10 +17,18 @@
 //     the CTA writes one un-normalised online-softmax state (m, l, acc) per row -- np =
 //     nsplit partials per row; the combine kernels merge them into out / lse. A split
 //     covers at least kMinTilesPerSplit tiles (fewer, larger partials at short lengths).
-//   * Block scores (verify only): per row and 16-token step u, the log2-sum-exp of the
-//     scores of each block overlapping [16u, 16u + 16) -- a self-contained partial
-//     log-sum-exp, `spt` slots per step -- is written to `slots`; the combine kernel
-//     turns them into probabilities with the final lse and sums rows and steps.
+//   * Block scores (verify only), one of two ways (ScoreMode):
+//     - kSlots (block_size >= 16): per row and 16-token step u, the log2-sum-exp of the
+//       scores of each block overlapping [16u, 16u + 16) -- a self-contained partial
+//       log-sum-exp, `spt` slots per step (1 when block_size is a multiple of 16) -- is
+//       written to `slots`; the combine kernel turns them into probabilities with the
+//       final lse and sums rows and steps. Workspace R * ceil(S / 16) * spt floats per
+//       (batch row, KV head): R * S / 16 or R * S / 8.
+//     - kScorePass (block_size < 16, where slots would approach the [R, S] probability
+//       matrix): no slots; after the lse kernel, block_scores_kernel.cuh recomputes
+//       Q.K^T per tile with the final lse, sums the probabilities over the rows and
+//       tokens of each block in registers / shared memory and writes block_scores
+//       directly (one more read of K, no workspace).
 #pragma once
 
 #include <algorithm>
@@ -34,6 +42,11 @@ constexpr int kStep = 16;      // tokens per online-softmax step (one mma k-step
 constexpr int kMmaTile = 64;   // tokens per CTA tile, tensor-core path
 constexpr int kMinTilesPerSplit = 4;  // a split covers at least this many tiles (partials
                                       // cost R * D floats each: keep them few)
+constexpr int kScoreThreads = 128;    // block-score pass: 4 warps, one 16-token step each
+constexpr int kScoreTile = 64;        // tokens per tile of the block-score pass
+constexpr size_t kMaxScoreSmem = 96 * 1024;  // above this the slots are used instead
+
+enum class ScoreMode { kNone, kSlots, kScorePass };
 
 struct AttnParams {
   const void* q;  // [B, Q, Hq, D] contiguous
@@ -61,6 +74,7 @@ struct AttnParams {
 };
 
 struct CombineParams {
+  const int32_t* tail_start;  // draft: [B], for the device-side guard; else null
   const float* part_m;
   const float* part_l;
   const float* part_o;
@@ -71,6 +85,23 @@ struct CombineParams {
   const float* query_weights;  // [Q] or null
   const int32_t* seq_lens;
   int B, Q, Hq, Hkv, G, R, D, S, np, block_size, nblocks, spt, nsub;
+};
+
+// Block-score pass (ScoreMode::kScorePass): grid x = batch row * Hkv + KV head, y =
+// chunk of whole blocks of the row's valid length (ceil(seq_len / block_size) blocks cut
+// into grid_y chunks of at least min_bpc blocks), 128 threads; warp w takes the 16-token
+// step w of each 64-token tile.
+struct ScoreParams {
+  const void* q;  // [B, Q, Hq, D] contiguous
+  const void* k;  // [B, Hkv, S, D], stride(3) == 1
+  int64_t k_sb, k_sh, k_st;
+  const int32_t* seq_lens;     // [B]
+  const float* lse2;           // [B * Hkv, R] base-2 log-sum-exp (attn_lse_kernel)
+  const float* query_weights;  // [Q] or null
+  float* block_scores;         // [B, Hkv, nblocks]
+  int B, Q, Hq, Hkv, G, S, D, R, rpad;  // rpad: R rounded up to 16
+  float scale_log2;
+  int block_size, nblocks, min_bpc;
 };
 
 struct TopkParams {
@@ -91,7 +122,12 @@ struct AttnPlan {
   size_t smem = 0;          // dynamic shared memory of the main kernel, bytes
   int combine_threads = 256, combine_chunks = 1;
   size_t combine_smem = 0;
-  int64_t n_part_ml = 0, n_part_o = 0, n_slots = 0;  // workspace floats
+  int64_t n_part_ml = 0, n_part_o = 0, n_slots = 0, n_lse2 = 0;  // workspace floats
+  ScoreMode scores = ScoreMode::kNone;
+  int sc_chunks = 0, sc_min_bpc = 0, sc_rpad = 0;  // block-score pass launch
+  size_t sc_smem = 0;
+  // Workspace of one call, bytes: 4 * (2 n_part_ml + n_part_o + n_slots + n_lse2).
+  int64_t workspace_bytes() const { return 4 * (2 * n_part_ml + n_part_o + n_slots + n_lse2); }
 };
 
 // Shared-memory layout of the tensor-core kernel (bytes), for element size `esize`.
@@ -100,7 +136,7 @@ struct MmaSmem {
   MmaSmem(int D, int esize, int warps) {
     const size_t lds = size_t(D) + 8;
     kv = 2 /*stages*/ * 2 /*K,V*/ * size_t(kMmaTile) * lds * esize;
-    tok = 2 * size_t(kMmaTile) * sizeof(int);
+    tok = 3 * size_t(kMmaTile) * sizeof(int);  // three token lists (attn_mma_kernel)
     pbuf = size_t(warps) * 16 * (kStep + 1) * sizeof(float);
     mbuf = size_t(warps) * 16 * sizeof(float);
     total = kv + tok + pbuf + mbuf;
@@ -120,10 +156,21 @@ struct SimtSmem {
   }
 };
 
+// Shared memory of the block-score pass (bytes): K tiles (two stages of the input type
+// on the tensor-core path, one fp32 tile on the SIMT path), the group's queries, per
+// row lse and weight, per token probabilities, two carries.
+inline size_t score_smem_bytes(bool mma, int64_t D, int64_t rpad, int esize) {
+  const size_t kv = mma ? 2 * size_t(kScoreTile) * size_t(D + 8) * esize
+                        : size_t(kScoreTile) * size_t(D + 2) * sizeof(float);
+  const size_t qs = mma ? size_t(rpad) * size_t(D + 8) * esize : size_t(rpad) * D * sizeof(float);
+  return kv + qs + 2 * size_t(rpad) * sizeof(float) + (kScoreTile + 2) * sizeof(float);
+}
+
 // vlen_max: the longest virtual token sequence a row can have (S for verify,
 // K * block_size + S for the draft). num_sms: multiprocessors of the device.
+// with_scores: verify (block scores wanted). block_size: the effective one (<= S).
 inline AttnPlan make_attn_plan(int64_t B, int64_t Hkv, int64_t R, int64_t D, int64_t S,
-                               int64_t vlen_max, int64_t block_size, bool mma, bool with_slots,
+                               int64_t vlen_max, int64_t block_size, bool mma, bool with_scores,
                                int esize, int num_sms, int min_tiles = kMinTilesPerSplit) {
   AttnPlan p;
   p.min_tiles = std::max(1, min_tiles);
@@ -142,14 +189,31 @@ inline AttnPlan make_attn_plan(int64_t B, int64_t Hkv, int64_t R, int64_t D, int
   nsplit = std::max<int64_t>(1, std::min<int64_t>({nsplit, div_up(nvt_max, p.min_tiles), 64}));
   p.nsplit = static_cast<int>(nsplit);
   p.np = p.nsplit;  // the streams of a CTA are merged in shared memory
-  p.spt = with_slots ? static_cast<int>(std::min<int64_t>(kStep, (kStep - 1) / block_size + 2)) : 0;
+  const int64_t nblocks = div_up(S, block_size);
+  if (with_scores) {
+    p.sc_rpad = static_cast<int>(div_up(R, 16) * 16);
+    p.sc_smem = score_smem_bytes(mma, D, p.sc_rpad, esize);
+    p.scores = (block_size < kStep && p.sc_smem <= kMaxScoreSmem) ? ScoreMode::kScorePass
+                                                                   : ScoreMode::kSlots;
+  }
+  const bool with_slots = p.scores == ScoreMode::kSlots;
+  if (p.scores == ScoreMode::kScorePass) {
+    // chunks of whole blocks, at least min_tiles tiles each, about 4 CTAs per SM in all
+    p.sc_min_bpc = static_cast<int>(div_up(int64_t(p.min_tiles) * kScoreTile, block_size));
+    const int64_t chunks = std::min<int64_t>(div_up(target, B * Hkv), div_up(nblocks, p.sc_min_bpc));
+    p.sc_chunks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(chunks, 65535)));
+  }
+  p.spt = with_slots ? static_cast<int>(block_size % kStep == 0
+                                            ? 1
+                                            : std::min<int64_t>(kStep, (kStep - 1) / block_size + 2))
+                     : 0;
   p.nsub = static_cast<int>(div_up(S, kStep));
   p.smem = mma ? MmaSmem(static_cast<int>(D), esize, p.warps).total
                : SimtSmem(static_cast<int>(D), p.tile, p.warps, p.rg * 8).total;
   p.n_part_ml = B * Hkv * p.np * R;
   p.n_part_o = p.n_part_ml * D;
   p.n_slots = with_slots ? B * Hkv * R * int64_t(p.nsub) * p.spt : 0;
-  const int64_t nblocks = div_up(S, block_size);
+  p.n_lse2 = B * Hkv * R;
   const int64_t work = std::max<int64_t>(with_slots ? nblocks : 0, div_up(R * D, 4));
   p.combine_chunks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(div_up(work, p.combine_threads), 4096)));
   p.combine_smem = size_t(R) * sizeof(float);

@@ -7,8 +7,8 @@
 // of the last selected candidate and how many candidates with key == T are needed;
 // a final pass in index order takes every key > T and the first `need` keys == T,
 // so the output is ascending with no sort. Sinks [0, min(num_sink_blocks, c)) come
-// first; positions >= c are -1. k / num_candidates are clamped at 0 (unchecked
-// under CUDA-graph capture).
+// first; positions >= c are -1. k / num_candidates are clamped at 0 (device-side guard:
+// their values are not checked on the host unless VEGAS_CUDA_VALUE_CHECKS=1).
 //
 // STATUS: compiled, emulator-checked (csrc/cuda/emu); NOT yet run on GPU hardware.
 #pragma once
@@ -97,9 +97,17 @@ static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(kTopkThreads) block_topk_kernel(con
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += nth) hist[i] = 0;
     block_sync();
-    for (int j = sinks + tid; j < elig; j += nth) {
-      const uint32_t key = topk_key(s[j]);
-      if ((key & mask) == prefix) atomic_add_shared(&hist[(key >> shift) & 255u], 1);
+    // warp-aggregated: the lanes that hit the same bin add once (scores in a narrow
+    // range share their first key byte, so the first pass would pile up on few bins)
+    for (int base = sinks; base < elig; base += nth) {  // bound uniform over the CTA
+      const int j = base + tid;
+      int bin = -1;
+      if (j < elig) {
+        const uint32_t key = topk_key(s[j]);
+        if ((key & mask) == prefix) bin = static_cast<int>((key >> shift) & 255u);
+      }
+      const uint32_t peers = match_any(bin);
+      if (bin >= 0 && (tid & 31) == lowest_lane(peers)) atomic_add_shared(&hist[bin], popc(peers));
     }
     block_sync();
     if (tid == 0) {

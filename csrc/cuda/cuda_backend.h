@@ -1,11 +1,11 @@
 // The CUDA backend of csrc/cuda/ops_host.h: current stream (so CUDA graphs capture the
-// launches), launch-error checks, opt-in shared memory above 48 KiB, and the value
-// checks that copy seq_lens / tail_start / block indices / k to the host -- skipped
-// while the stream is capturing a CUDA graph (a device->host copy would break the
-// capture); the kernels then clamp or mask out-of-range values instead of reading out
-// of bounds. VEGAS_CUDA_VALUE_CHECKS=0 skips those copies (and their host sync) always.
-// VEGAS_CUDA_FORCE_SIMT=1 uses the SIMT kernels even where the tensor-core ones apply
-// (for testing both paths on one GPU).
+// launches), launch-error checks, opt-in shared memory above 48 KiB. Nothing here
+// synchronizes with the device by default: the value checks that copy seq_lens /
+// tail_start / block indices / k / num_candidates to the host run only with
+// VEGAS_CUDA_VALUE_CHECKS=1 (a debugging aid: one blocking copy per checked tensor) and
+// never while the stream is capturing a CUDA graph; otherwise the kernels' device-side
+// guards apply (ops_host.h). VEGAS_CUDA_FORCE_SIMT=1 uses the SIMT kernels even where
+// the tensor-core ones apply (for testing both paths on one GPU).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -20,12 +21,6 @@
 
 namespace vegas {
 namespace cuda {
-
-inline bool env_flag(const char* name, bool dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  return !(std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "no") == 0);
-}
 
 struct CudaBackend {
   cudaStream_t stream;
@@ -35,11 +30,23 @@ struct CudaBackend {
         capturing(c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
                   c10::cuda::CaptureStatus::None) {}
 
-  bool value_checks() const { return !capturing && env_flag("VEGAS_CUDA_VALUE_CHECKS", true); }
+  bool value_checks() const { return !capturing && value_checks_requested(); }
   bool force_simt() const { return env_flag("VEGAS_CUDA_FORCE_SIMT", false); }
+  // multiprocessors of the current device, looked up once per device
   int num_sms() const {
-    int dev = 0, n = 0;
+    static std::atomic<int> cache[64];
+    int dev = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64) return query_sms(dev);
+    int n = cache[dev].load(std::memory_order_relaxed);
+    if (n == 0) {
+      n = query_sms(dev);
+      cache[dev].store(n, std::memory_order_relaxed);
+    }
+    return n;
+  }
+  static int query_sms(int dev) {
+    int n = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }

@@ -92,11 +92,35 @@ VEGAS_DEVICE uint16_t bits16(T x) {
   return u;
 }
 
-// Two floats rounded to T (16-bit), packed lo | hi << 16 (the mma fragment order).
+// Two floats rounded to T (16-bit), packed lo | hi << 16 (the mma fragment order). On the
+// GPU one paired conversion (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32) instead of two.
 template <typename T>
-VEGAS_DEVICE uint32_t pack2(float lo, float hi) {
-  return uint32_t(bits16(from_float<T>(lo))) | (uint32_t(bits16(from_float<T>(hi))) << 16);
+VEGAS_DEVICE uint32_t pack2(float lo, float hi);
+#ifdef VEGAS_EMULATE
+template <>
+VEGAS_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
+  return uint32_t(bits16(from_float<bf16_t>(lo))) | (uint32_t(bits16(from_float<bf16_t>(hi))) << 16);
 }
+template <>
+VEGAS_DEVICE uint32_t pack2<half_t>(float lo, float hi) {
+  return uint32_t(bits16(from_float<half_t>(lo))) | (uint32_t(bits16(from_float<half_t>(hi))) << 16);
+}
+#else
+template <>
+VEGAS_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
+  uint32_t u;
+  __builtin_memcpy(&u, &v, 4);
+  return u;
+}
+template <>
+VEGAS_DEVICE uint32_t pack2<half_t>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  __builtin_memcpy(&u, &v, 4);
+  return u;
+}
+#endif
 
 // Two consecutive 16-bit elements of global memory, packed (2-byte loads: no alignment
 // assumption beyond the element's).
@@ -160,6 +184,21 @@ VEGAS_DEVICE int shfl_int(int v, int src) {
   return __shfl_sync(0xffffffffu, v, src);
 #endif
 }
+// Mask of the lanes whose v equals this lane's (all 32 lanes must call it).
+VEGAS_DEVICE uint32_t match_any(int v) {
+#ifdef VEGAS_EMULATE
+  return ::vegas_emu::match_any(v);
+#else
+  return __match_any_sync(0xffffffffu, v);
+#endif
+}
+#ifdef VEGAS_EMULATE
+VEGAS_DEVICE int popc(uint32_t m) { return __builtin_popcount(m); }
+VEGAS_DEVICE int lowest_lane(uint32_t m) { return __builtin_ctz(m); }  // m != 0
+#else
+VEGAS_DEVICE int popc(uint32_t m) { return __popc(m); }
+VEGAS_DEVICE int lowest_lane(uint32_t m) { return __ffs(m) - 1; }  // m != 0
+#endif
 VEGAS_DEVICE void atomic_add_shared(int* p, int v) {
 #ifdef VEGAS_EMULATE
   ::vegas_emu::atomic_add(p, v);

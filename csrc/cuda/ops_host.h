@@ -4,12 +4,24 @@
 // launchers) and with the software emulation backend (csrc/cuda/emu/emu_ops.cpp).
 //
 // Backend interface:
-//   bool value_checks();          // run checks that copy values to the host
+//   bool value_checks();          // run the checks that copy values to the host (a sync)
 //   bool force_simt();            // use the SIMT kernels even where mma applies
 //   int num_sms();
 //   int min_tiles_per_split();    // kMinTilesPerSplit; the emulation lowers it to test splits
 //   at::Tensor to_host(const at::Tensor&);
 //   void launch(kernel, Grid3 grid, int threads, size_t smem, args...);
+//
+// Where the checks run. Shapes, dtypes, devices, strides and the scalar arguments are
+// checked here on the host from tensor metadata (no device access, every call). Values
+// held in device tensors (seq_lens, tail_start, block_indices, k, num_candidates) are
+// checked on the host only when value_checks() is on -- off by default on CUDA
+// (VEGAS_CUDA_VALUE_CHECKS=1 turns them on, never during CUDA-graph capture), since each
+// check is a blocking device-to-host copy. Without them the kernels guard on the device
+// and never read outside the cache: a row whose seq_lens is outside [Q, S] (or, for the
+// draft, whose tail_start is outside [0, seq_lens - Q]) gets NaN in all its outputs
+// (out, lse, block_scores); block indices outside [0, ceil(S / block_size)) select
+// nothing; a block index repeated in a row is attended twice (only the host check sees
+// it); block_topk clamps negative k / num_candidates to 0.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,6 +29,9 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <tuple>
 
 #include "checks.h"
@@ -37,19 +52,31 @@ inline bool rows_16b_aligned(const at::Tensor& t) {
          t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
 }
 
-inline void check_cuda_limits(const char* op, const AttnDims& d, int64_t block_size,
-                              int64_t K) {
+inline bool env_flag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  return !(std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "no") == 0);
+}
+
+// The host-side value checks (device-to-host copies) run only when asked for.
+inline bool value_checks_requested() { return env_flag("VEGAS_CUDA_VALUE_CHECKS", false); }
+
+// Index-width limits of the kernels (int32 positions), on the effective block size
+// d.block_size and in saturating arithmetic, so no size can wrap past a check.
+inline void check_cuda_limits(const char* op, const AttnDims& d, int64_t K) {
+  const int64_t bs = d.block_size;
   TORCH_CHECK(d.D <= 256, op, ": head_dim must be <= 256 for the CUDA kernels, got ", d.D);
-  TORCH_CHECK(d.S + 2 * block_size < INT32_MAX, op,
-              ": S + 2 * block_size must be below 2^31 for the CUDA kernels, got S = ", d.S,
-              ", block_size = ", block_size);
-  TORCH_CHECK(K * block_size + d.S < INT32_MAX, op,
-              ": K * block_size + S must be below 2^31 for the CUDA kernels, got K = ", K,
-              ", block_size = ", block_size, ", S = ", d.S);
-  TORCH_CHECK(d.B * d.Hkv < INT32_MAX && d.B * d.Q * d.Hq < INT32_MAX, op,
+  TORCH_CHECK(sat_add(sat_add(d.S, sat_mul(2, bs)), kMmaTile) < INT32_MAX, op,
+              ": S + 2 * min(block_size, S) must be below 2^31 - 64 for the CUDA kernels, got S = ",
+              d.S, ", block_size = ", bs);
+  TORCH_CHECK(sat_add(sat_add(sat_mul(K, bs), d.S), kMmaTile) < INT32_MAX, op,
+              ": K * min(block_size, S) + S must be below 2^31 - 64 for the CUDA kernels, got K = ",
+              K, ", block_size = ", bs, ", S = ", d.S);
+  TORCH_CHECK(sat_mul(d.B, d.Hkv) < INT32_MAX && sat_mul(sat_mul(d.B, d.Q), d.Hq) < INT32_MAX, op,
               ": batch x heads too large for the CUDA kernels");
-  TORCH_CHECK(d.Q * d.group <= 65535LL * 16, op, ": Q * (H_q / H_kv) = ", d.Q * d.group,
-              " rows per KV head exceed the CUDA kernels' limit of ", 65535LL * 16);
+  TORCH_CHECK(sat_mul(d.Q, d.group) <= 65535LL * 16, op, ": Q * (H_q / H_kv) = ",
+              sat_mul(d.Q, d.group), " rows per KV head exceed the CUDA kernels' limit of ",
+              65535LL * 16);
 }
 
 template <typename T, class Map>
@@ -71,27 +98,60 @@ AttnKernel<T, Map> pick_mma_kernel(int64_t D) {
   }
 }
 
-// Shared by verify (Map = VerifyMap) and the draft (Map = DraftMap).
+template <typename T>
+using ScoreKernel = void (*)(ScoreParams);
+
+template <typename T>
+ScoreKernel<T> pick_score_kernel(bool mma, int64_t D) {
+  if constexpr (sizeof(T) == 2) {
+    if (mma) {
+      switch (D) {
+        case 64: return &block_scores_mma_kernel<T, 64>;
+        case 80: return &block_scores_mma_kernel<T, 80>;
+        case 96: return &block_scores_mma_kernel<T, 96>;
+        case 128: return &block_scores_mma_kernel<T, 128>;
+        default: return nullptr;
+      }
+    }
+  }
+  (void)D;
+  return mma ? nullptr : &block_scores_simt_kernel<T>;
+}
+
+inline bool mma_applies(at::ScalarType dt, int64_t D, bool k_aligned, bool v_aligned) {
+  return (dt == at::kBFloat16 || dt == at::kHalf) && (D == 64 || D == 80 || D == 96 || D == 128) &&
+         k_aligned && v_aligned;
+}
+
+// The launch plan of one attention call (verify: K = 0, with_scores; draft: K selected
+// blocks). Depends on shapes, dtype, kernel path and the device's SM count only.
+inline AttnPlan plan_attention(const AttnDims& d, int64_t K, bool with_scores, bool mma,
+                               int esize, int num_sms, int min_tiles) {
+  const int64_t R = d.Q * d.group;
+  const int64_t vmax = with_scores ? d.S : K * d.block_size + d.S;
+  return make_attn_plan(d.B, d.Hkv, R, d.D, d.S, vmax, d.block_size, mma, with_scores, esize,
+                        num_sms, min_tiles);
+}
+
+// Shared by verify (Map = VerifyMap) and the draft (Map = DraftMap). Every size comes
+// from d (block size already clamped: d.block_size <= S).
 template <class Map, class Backend>
 void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& lens, const AttnDims& d, int64_t block_size, double scale,
+                   const at::Tensor& lens, const AttnDims& d, double scale,
                    const int32_t* block_indices, const int32_t* tail_start, int64_t K,
                    at::Tensor& out, float* lse, float* block_scores, const float* qw) {
   const int64_t R = d.Q * d.group;
-  const int64_t nblocks = ceil_div(d.S, block_size);
-  const bool slots = Map::kBlockScores;
+  const int64_t bs = d.block_size;
+  const int64_t nblocks = ceil_div(d.S, bs);
   const at::ScalarType dt = q.scalar_type();
-  const bool mma_ok = (dt == at::kBFloat16 || dt == at::kHalf) &&
-                      (d.D == 64 || d.D == 80 || d.D == 96 || d.D == 128) &&
-                      rows_16b_aligned(k) && rows_16b_aligned(v) && !be.force_simt();
-  const int64_t vmax = slots ? d.S : K * block_size + d.S;
-  const AttnPlan plan = make_attn_plan(d.B, d.Hkv, R, d.D, d.S, vmax, block_size, mma_ok, slots,
+  const bool mma_ok =
+      mma_applies(dt, d.D, rows_16b_aligned(k), rows_16b_aligned(v)) && !be.force_simt();
+  const AttnPlan plan = plan_attention(d, K, Map::kBlockScores, mma_ok,
                                        static_cast<int>(q.element_size()), be.num_sms(),
                                        be.min_tiles_per_split());
-  const int64_t nlse2 = d.B * d.Hkv * R;
-  at::Tensor ws = at::empty({2 * plan.n_part_ml + plan.n_part_o + plan.n_slots + nlse2},
-                            q.options().dtype(at::kFloat));
+  at::Tensor ws = at::empty({plan.workspace_bytes() / 4}, q.options().dtype(at::kFloat));
   float* wp = ws.data_ptr<float>();
+  const bool slots = plan.scores == ScoreMode::kSlots;
 
   AttnParams a{};
   a.q = q.data_ptr();
@@ -113,7 +173,7 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
   a.D = static_cast<int>(d.D);
   a.R = static_cast<int>(R);
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  a.block_size = static_cast<int>(block_size);
+  a.block_size = static_cast<int>(bs);
   a.nblocks = static_cast<int>(nblocks);
   a.block_indices = block_indices;
   a.tail_start = tail_start;
@@ -126,13 +186,14 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
   float* lse2 = wp + 2 * plan.n_part_ml + plan.n_part_o + plan.n_slots;
 
   CombineParams c{};
+  c.tail_start = tail_start;
   c.part_m = a.part_m;
   c.part_l = a.part_l;
   c.part_o = a.part_o;
   c.slots = a.slots;
   c.out = out.data_ptr();
   c.lse = lse;
-  c.block_scores = block_scores;
+  c.block_scores = slots ? block_scores : nullptr;
   c.query_weights = qw;
   c.seq_lens = a.seq_lens;
   c.B = a.B;
@@ -149,6 +210,32 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
   c.spt = plan.spt;
   c.nsub = plan.nsub;
 
+  ScoreParams sp{};
+  if (plan.scores == ScoreMode::kScorePass) {
+    sp.q = a.q;
+    sp.k = a.k;
+    sp.k_sb = a.k_sb;
+    sp.k_sh = a.k_sh;
+    sp.k_st = a.k_st;
+    sp.seq_lens = a.seq_lens;
+    sp.lse2 = lse2;
+    sp.query_weights = qw;
+    sp.block_scores = block_scores;
+    sp.B = a.B;
+    sp.Q = a.Q;
+    sp.Hq = a.Hq;
+    sp.Hkv = a.Hkv;
+    sp.G = a.G;
+    sp.S = a.S;
+    sp.D = a.D;
+    sp.R = a.R;
+    sp.rpad = plan.sc_rpad;
+    sp.scale_log2 = a.scale_log2;
+    sp.block_size = a.block_size;
+    sp.nblocks = a.nblocks;
+    sp.min_bpc = plan.sc_min_bpc;
+  }
+
   const Grid3 grid{d.B * d.Hkv, plan.nsplit, plan.nz};
   const int threads = 32 * plan.warps;
   auto go = [&](auto tag) {
@@ -158,6 +245,11 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
     TORCH_INTERNAL_ASSERT(kern != nullptr);
     be.launch(kern, grid, threads, plan.smem, a);
     be.launch(&attn_lse_kernel, Grid3{d.B * d.Hkv, ceil_div(R, 256), 1}, 256, 0, c, lse2);
+    if (plan.scores == ScoreMode::kScorePass) {
+      ScoreKernel<T> sk = pick_score_kernel<T>(plan.mma, d.D);
+      TORCH_INTERNAL_ASSERT(sk != nullptr);
+      be.launch(sk, Grid3{d.B * d.Hkv, plan.sc_chunks, 1}, kScoreThreads, plan.sc_smem, sp);
+    }
     be.launch(&attn_combine_kernel<T>, Grid3{d.B * d.Hkv, plan.combine_chunks, 1},
               plan.combine_threads, 0, c, static_cast<const float*>(lse2));
   };
@@ -169,6 +261,25 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
   }
 }
 
+// Workspace bytes of one call (the at::empty in run_attention), from shapes only: for
+// tests, benchmarks and capacity planning. op: "verify_attention" or
+// "sparse_draft_attention"; K: selected blocks (draft); block_size as passed (clamped here).
+inline int64_t attention_workspace_bytes(const std::string& op, int64_t B, int64_t Q, int64_t Hq,
+                                         int64_t Hkv, int64_t D, int64_t S, int64_t block_size,
+                                         int64_t K, at::ScalarType dt, bool aligned, int num_sms,
+                                         int min_tiles = kMinTilesPerSplit) {
+  TORCH_CHECK(op == "verify_attention" || op == "sparse_draft_attention",
+              "attention_workspace_bytes: op must be verify_attention or sparse_draft_attention, got ",
+              op);
+  TORCH_CHECK(B >= 0 && Q >= 1 && Hkv >= 1 && Hq % Hkv == 0 && S >= Q && block_size >= 1 && K >= 0,
+              "attention_workspace_bytes: invalid sizes");
+  AttnDims d{B, Q, Hq, Hkv, S, D, Hq / Hkv, effective_block_size(block_size, S)};
+  const bool mma = mma_applies(dt, D, aligned, aligned);
+  const int esize = static_cast<int>(c10::elementSize(dt));
+  return plan_attention(d, K, op == "verify_attention", mma, esize, num_sms, min_tiles)
+      .workspace_bytes();
+}
+
 template <class Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_impl(
     Backend& be, const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -178,7 +289,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_impl(
   const AttnDims d =
       check_attention_inputs(op, q_in, k_cache, v_cache, seq_lens, block_size, scale);
   check_query_weights(op, q_in, query_weights, d);
-  check_cuda_limits(op, d, block_size, 0);
+  check_cuda_limits(op, d, 0);
   const at::Tensor lens = seq_lens.contiguous();
   if (be.value_checks()) {
     const at::Tensor h = be.to_host(lens);
@@ -187,13 +298,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_impl(
   const at::Tensor q = q_in.contiguous();
   at::Tensor qw_t;
   if (query_weights.has_value()) qw_t = query_weights->contiguous();
-  const int64_t N = ceil_div(d.S, block_size);
+  const int64_t N = ceil_div(d.S, d.block_size);
   at::Tensor out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
   at::Tensor lse = at::empty({d.B, d.Hq, d.Q}, q.options().dtype(at::kFloat));
   at::Tensor scores = at::empty({d.B, d.Hkv, N}, q.options().dtype(at::kFloat));
   if (d.B == 0) return {out, lse, scores};
-  run_attention<VerifyMap>(be, q, k_cache, v_cache, lens, d, block_size, scale, nullptr, nullptr,
-                           0, out, lse.data_ptr<float>(), scores.data_ptr<float>(),
+  run_attention<VerifyMap>(be, q, k_cache, v_cache, lens, d, scale, nullptr, nullptr, 0, out,
+                           lse.data_ptr<float>(), scores.data_ptr<float>(),
                            qw_t.defined() ? qw_t.data_ptr<float>() : nullptr);
   return {out, lse, scores};
 }
@@ -209,7 +320,7 @@ at::Tensor sparse_draft_attention_impl(Backend& be, const at::Tensor& q_in,
       check_attention_inputs(op, q_in, k_cache, v_cache, seq_lens, block_size, scale);
   check_draft_inputs(op, q_in, block_indices, tail_start, d);
   const int64_t K = block_indices.size(2);
-  check_cuda_limits(op, d, block_size, K);
+  check_cuda_limits(op, d, K);
   const at::Tensor lens = seq_lens.contiguous();
   const at::Tensor tail = tail_start.contiguous();
   const at::Tensor idx = block_indices.contiguous();
@@ -219,12 +330,12 @@ at::Tensor sparse_draft_attention_impl(Backend& be, const at::Tensor& q_in,
     const at::Tensor hi = be.to_host(idx);
     check_seq_lens_values(op, hl.data_ptr<int32_t>(), d);
     check_draft_values(op, hl.data_ptr<int32_t>(), ht.data_ptr<int32_t>(), hi.data_ptr<int32_t>(),
-                       K, d, block_size);
+                       K, d, d.block_size);
   }
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
   if (d.B == 0) return out;
-  run_attention<DraftMap>(be, q, k_cache, v_cache, lens, d, block_size, scale,
+  run_attention<DraftMap>(be, q, k_cache, v_cache, lens, d, scale,
                           K > 0 ? idx.data_ptr<int32_t>() : nullptr, tail.data_ptr<int32_t>(), K,
                           out, nullptr, nullptr, nullptr);
   return out;
@@ -239,7 +350,7 @@ at::Tensor block_topk_impl(Backend& be, const at::Tensor& scores_in, const at::T
   const at::Tensor kt = k_in.contiguous();
   const at::Tensor nt = ncand_in.contiguous();
   const int64_t B = scores.size(0), H = scores.size(1), N = scores.size(2);
-  TORCH_CHECK(N < INT32_MAX && B * H < INT32_MAX, op,
+  TORCH_CHECK(N < INT32_MAX && sat_mul(B, H) < INT32_MAX, op,
               ": block_scores too large for the CUDA kernel, got shape ", scores.sizes());
   if (be.value_checks()) {
     const at::Tensor hk = be.to_host(kt);

@@ -1,14 +1,17 @@
 // Kernels of vegas::verify_attention (raw pointers, no torch includes): the shared
-// split-KV main loops of attention_kernel.cuh over the token map below, with the
-// per-block partial log-sum-exps ("slots") kept in the loop, then attn_lse_kernel /
-// attn_combine_kernel merge the splits and normalise the slots into block_scores:
-//   block_scores[b, g, j] = sum_r w(r) * sum_{steps u over block j} 2^(slot[r, u, j] - lse2_r)
+// split-KV main loops of attention_kernel.cuh over the token map below, then
+// attn_lse_kernel / attn_combine_kernel merge the splits. Block scores, by block size:
+// * block_size >= 16: per-block partial log-sum-exps ("slots") kept in the main loop,
+//   normalised by the combine kernel:
+//     block_scores[b, g, j] = sum_r w(r) * sum_{steps u over block j} 2^(slot[r, u, j] - lse2_r)
+// * block_size < 16: the block-score pass of block_scores_kernel.cuh, after the lse.
 // No [Q, S] probability matrix is written. Source of the method: Vegas, arXiv 2602.07223.
 //
 // STATUS: compiled, emulator-checked (csrc/cuda/emu); NOT yet run on GPU hardware.
 #pragma once
 
 #include "cuda/attention_kernel.cuh"
+#include "cuda/block_scores_kernel.cuh"
 
 namespace vegas {
 namespace cuda {

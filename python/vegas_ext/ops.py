@@ -17,6 +17,25 @@ Dispatch: on CPU the compiled C++ kernels always run. On CUDA the compiled kerne
 run only when enabled (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`),
 because they have not yet been verified on GPU hardware; otherwise, and on any
 device without a compiled kernel, the plain-PyTorch reference runs.
+
+Where the input checks run:
+
+* Shapes, dtypes, devices, strides and the Python scalars (``block_size``, ``scale``,
+  ``max_k``, ...): on the host from tensor metadata, on every call and every device (no
+  device access, no synchronization); also in the fake kernels, so ``torch.compile``
+  traces see the same errors.
+* Values held in tensors (``seq_lens``, ``tail_start``, ``block_indices``, ``k``,
+  ``num_candidates``): on CPU by the kernels, always. On CUDA the compiled kernels do
+  *not* copy them to the host by default (that would be a blocking device-to-host sync
+  per call, and would break CUDA-graph capture); set ``VEGAS_CUDA_VALUE_CHECKS=1`` to
+  get the same errors as on CPU while debugging (skipped during graph capture). Without
+  it the CUDA kernels guard on the device: a batch row with ``seq_lens`` outside
+  ``[Q, S]`` (or, for the draft, ``tail_start`` outside ``[0, seq_lens - Q]``) gets NaN
+  in all its outputs, block indices outside ``[0, ceil(S / block_size))`` select nothing,
+  a block index repeated in a row is attended twice, and ``block_topk`` treats negative
+  ``k`` / ``num_candidates`` as 0. The callers in this package produce these values on
+  the host side correctly by construction (the decode loop owns the lengths and the
+  selection). The reference fallback checks values on every device (it syncs).
 """
 from __future__ import annotations
 
@@ -38,6 +57,7 @@ __all__ = [
     "quest_block_scores",
     "has_compiled_kernel",
     "set_cuda_kernels_enabled",
+    "cuda_workspace_bytes",
     "EXTENSION_LOADED",
 ]
 
@@ -100,6 +120,83 @@ def _use_compiled(op: str, device: torch.device) -> bool:
     if device.type == "cuda" and not _CUDA_ENABLED:
         return False
     return _COMPILED.get((op, device.type), False)
+
+
+def cuda_workspace_bytes(
+    op: str,
+    B: int,
+    Q: int,
+    H_q: int,
+    H_kv: int,
+    D: int,
+    S: int,
+    block_size: int,
+    K: int = 0,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    aligned: bool = True,
+    num_sms: int = 132,
+) -> int:
+    """Bytes of device workspace one CUDA ``verify_attention`` / ``sparse_draft_attention``
+    call allocates (from the caching allocator, freed at return), besides its outputs.
+
+    With ``bs = min(block_size, S)``, ``R = Q * H_q / H_kv`` query rows per KV head and
+    ``np`` token splits per row (below), in float32 words::
+
+        4 * B * H_kv * R * (np * (D + 2) + 1)              # split partials (m, l, acc) + lse
+      + 4 * B * H_kv * R * ceil(S / 16) * spt              # verify, slots mode only
+
+    ``spt = 1`` if ``bs % 16 == 0`` else ``min(16, 15 // bs + 2)``. Verification uses the
+    slots mode for ``bs >= 16`` (and when the block-score pass's shared memory -- a K tile
+    plus the group's queries -- would exceed 96 KiB: very many rows, or fp32 with D = 256); for ``bs < 16`` a second pass over K computes the block scores
+    with no workspace, so at ``block_size = 1`` nothing of size ``[Q, S]`` is allocated.
+    ``np = max(1, min(ceil(4 * num_sms / (B * H_kv * nz)), ceil(ceil(V / tile) / 4), 64))``
+    with ``V = S`` (verify) or ``K * bs + S`` (draft), ``tile = 64`` (32 on the SIMT path
+    for D > 128), ``nz = ceil(ceil(R / rows) / min(4, ceil(R / rows)))`` row groups,
+    ``rows = 16`` on the tensor-core path (bf16 / fp16, D in {64, 80, 96, 128}, 16-byte
+    aligned K/V rows: ``aligned``), else 8.
+
+    Example: Llama-3-8B attention (H_q 32, H_kv 8, D 128), S = 128K, batch 32, Q = 7, bf16,
+    132 SMs: 11.2 MB at block size 1; 246 MB at block size 16.
+
+    Args:
+        op: ``"verify_attention"`` or ``"sparse_draft_attention"``.
+        B, Q, H_q, H_kv, D, S: the call's sizes; block_size: as passed to the op;
+        K: selected blocks per row (draft).
+        dtype, aligned: pick the kernel path as the launcher does.
+        num_sms: multiprocessors of the GPU (132 on H100 / H200 SXM, 108 on A100).
+
+    Returns:
+        int, bytes. Mirrors the launch plan of ``csrc/cuda/attention_params.h``
+        (``AttnPlan::workspace_bytes``; tests/test_cuda_ops.py checks they agree).
+    """
+    if op not in ("verify_attention", "sparse_draft_attention"):
+        raise ValueError(f"op must be 'verify_attention' or 'sparse_draft_attention', got {op!r}")
+    if B == 0:
+        return 0
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    bs = min(block_size, max(S, 1))
+    R = Q * (H_q // H_kv)
+    esize = torch.empty((), dtype=dtype).element_size()
+    mma = dtype in (torch.bfloat16, torch.float16) and D in (64, 80, 96, 128) and aligned
+    rows = 16 if mma else 8
+    mr = cdiv(R, rows)
+    nz = cdiv(mr, min(4, mr))
+    tile = 64 if (mma or D <= 128) else 32
+    verify = op == "verify_attention"
+    vlen = S if verify else K * bs + S
+    nvt = max(1, cdiv(vlen, tile))
+    np_ = max(1, min(cdiv(4 * max(1, num_sms), B * H_kv * nz), cdiv(nvt, 4), 64))
+    words = B * H_kv * R * (np_ * (D + 2) + 1)
+    if verify:
+        rpad = cdiv(R, 16) * 16
+        kv = 2 * 64 * (D + 8) * esize if mma else 64 * (D + 2) * 4
+        qs = rpad * (D + 8) * esize if mma else rpad * D * 4
+        smem = kv + qs + 2 * rpad * 4 + (64 + 2) * 4
+        if not (bs < 16 and smem <= 96 * 1024):
+            spt = 1 if bs % 16 == 0 else min(16, 15 // bs + 2)
+            words += B * H_kv * R * cdiv(S, 16) * spt
+    return 4 * words
 
 
 # ---------------------------------------------------------------------------
@@ -193,6 +290,12 @@ def verify_attention(
         RuntimeError / ValueError naming the argument: wrong rank, mismatched batch, heads,
         head_dim, dtype or device, H_q not a multiple of H_kv, seq_lens not int32 or outside
         [Q, S], block_size < 1, a non-positive scale.
+
+    Checks: everything but the values of ``seq_lens`` is checked on the host from metadata.
+    ``seq_lens`` values: checked on CPU; on CUDA only with ``VEGAS_CUDA_VALUE_CHECKS=1``,
+    otherwise a row outside ``[Q, S]`` gets NaN ``out`` / ``lse`` / ``block_scores`` (no
+    host sync, CUDA-graph capturable). Any ``block_size >= 1`` is valid (one block when it
+    covers S); the CUDA workspace is :func:`cuda_workspace_bytes`.
     """
     return torch.ops.vegas.verify_attention(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights)
 
@@ -246,6 +349,9 @@ def block_topk(
     Raises:
         RuntimeError / ValueError naming the argument: block_scores not 3-D float32, k or
         num_candidates not int32 ``[B]`` or negative, max_k or num_sink_blocks negative.
+
+    Checks: negative ``k`` / ``num_candidates`` values raise on CPU; on CUDA only with
+    ``VEGAS_CUDA_VALUE_CHECKS=1``, otherwise they count as 0 (no host sync).
     """
     return torch.ops.vegas.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks)
 
@@ -324,6 +430,12 @@ def sparse_draft_attention(
         RuntimeError / ValueError naming the argument, as :func:`verify_attention`, plus:
         block_indices not int32 ``[B, H_kv, K]``, an index outside ``[-1, ceil(S/block_size))``
         or repeated in a row, tail_start outside ``[0, seq_lens - Q]``.
+
+    Checks: the values of ``seq_lens``, ``tail_start`` and ``block_indices`` raise on CPU;
+    on CUDA only with ``VEGAS_CUDA_VALUE_CHECKS=1``. Otherwise (no host sync, CUDA-graph
+    capturable) a row with ``seq_lens`` outside ``[Q, S]`` or ``tail_start`` outside
+    ``[0, seq_lens - Q]`` gets a NaN ``out``, indices outside ``[0, ceil(S / block_size))``
+    select nothing, and a repeated index is attended twice.
     """
     return torch.ops.vegas.sparse_draft_attention(
         q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale

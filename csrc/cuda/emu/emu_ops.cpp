@@ -12,16 +12,24 @@ namespace {
 
 using vegas::cuda::Grid3;
 
+// Device-to-host copies made by the host logic (each one a blocking sync on a GPU).
+int64_t g_host_copies = 0;
+
 struct EmuBackend {
   bool simt = false;
   int sms = 4;
-  bool checks = true;
+  int checks = -1;  // 1 / 0: value checks on / off; -1: as on CUDA (VEGAS_CUDA_VALUE_CHECKS)
   int min_tiles = 1;
   int min_tiles_per_split() const { return min_tiles; }
-  bool value_checks() const { return checks; }
+  bool value_checks() const {
+    return checks < 0 ? vegas::cuda::value_checks_requested() : checks != 0;
+  }
   bool force_simt() const { return simt; }
   int num_sms() const { return sms; }
-  at::Tensor to_host(const at::Tensor& t) const { return t.to(at::kCPU); }
+  at::Tensor to_host(const at::Tensor& t) const {
+    ++g_host_copies;
+    return t.to(at::kCPU);
+  }
   template <class... KArgs, class... Args>
   void launch(void (*kernel)(KArgs...), Grid3 grid, int threads, size_t smem, Args... args) {
     TORCH_CHECK(grid.y <= 65535 && grid.z <= 65535, "emu: grid.y / grid.z above CUDA's limit");
@@ -36,8 +44,8 @@ struct EmuBackend {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_emu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_lens,
     int64_t block_size, double scale, const c10::optional<at::Tensor>& qw, bool simt,
-    int64_t sms, bool checks, int64_t min_tiles) {
-  EmuBackend be{simt, int(sms), checks, int(min_tiles)};
+    int64_t sms, int64_t checks, int64_t min_tiles) {
+  EmuBackend be{simt, int(sms), int(checks), int(min_tiles)};
   return vegas::cuda::verify_attention_impl(be, q, k, v, seq_lens, block_size, scale, qw);
 }
 
@@ -45,23 +53,37 @@ at::Tensor sparse_draft_attention_emu(const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, const at::Tensor& idx,
                                       const at::Tensor& tail, const at::Tensor& seq_lens,
                                       int64_t block_size, double scale, bool simt, int64_t sms,
-                                      bool checks, int64_t min_tiles) {
-  EmuBackend be{simt, int(sms), checks, int(min_tiles)};
+                                      int64_t checks, int64_t min_tiles) {
+  EmuBackend be{simt, int(sms), int(checks), int(min_tiles)};
   return vegas::cuda::sparse_draft_attention_impl(be, q, k, v, idx, tail, seq_lens, block_size,
                                                   scale);
 }
 
 at::Tensor block_topk_emu(const at::Tensor& scores, const at::Tensor& k, const at::Tensor& nc,
-                          int64_t max_k, int64_t sinks, bool checks) {
-  EmuBackend be{false, 4, checks};
+                          int64_t max_k, int64_t sinks, int64_t checks) {
+  EmuBackend be{false, 4, int(checks)};
   return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks);
 }
 
 bool mma_path(const at::Tensor& q, const at::Tensor& k) {
-  const auto dt = q.scalar_type();
-  const int64_t D = q.size(-1);
-  return (dt == at::kBFloat16 || dt == at::kHalf) && (D == 64 || D == 80 || D == 96 || D == 128) &&
-         vegas::cuda::rows_16b_aligned(k);
+  const bool al = vegas::cuda::rows_16b_aligned(k);
+  return vegas::cuda::mma_applies(q.scalar_type(), q.size(-1), al, al);
+}
+
+int64_t workspace_bytes(const std::string& op, int64_t B, int64_t Q, int64_t Hq, int64_t Hkv,
+                        int64_t D, int64_t S, int64_t block_size, int64_t K,
+                        at::ScalarType dtype, bool aligned, int64_t sms, int64_t min_tiles) {
+  return vegas::cuda::attention_workspace_bytes(op, B, Q, Hq, Hkv, D, S, block_size, K, dtype,
+                                                aligned, int(sms), int(min_tiles));
+}
+
+// How verify_attention gets its block scores for these sizes: "slots" or "score_pass".
+std::string score_mode(int64_t B, int64_t Q, int64_t Hq, int64_t Hkv, int64_t D, int64_t S,
+                       int64_t block_size, at::ScalarType dtype, bool aligned) {
+  vegas::AttnDims d{B, Q, Hq, Hkv, S, D, Hq / Hkv, vegas::effective_block_size(block_size, S)};
+  const bool mma = vegas::cuda::mma_applies(dtype, D, aligned, aligned);
+  const auto p = vegas::cuda::plan_attention(d, 0, true, mma, int(c10::elementSize(dtype)), 4, 1);
+  return p.scores == vegas::cuda::ScoreMode::kSlots ? "slots" : "score_pass";
 }
 
 }  // namespace
@@ -71,4 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_draft_attention", &sparse_draft_attention_emu);
   m.def("block_topk", &block_topk_emu);
   m.def("mma_path", &mma_path);
+  m.def("workspace_bytes", &workspace_bytes);
+  m.def("score_mode", &score_mode);
+  m.def("host_copies", [] { return g_host_copies; });
 }

@@ -138,6 +138,15 @@ inline int shfl_up(int v, int delta) {
   const int r = exchange(v, src < 0 ? ctx().lane : src);
   return src < 0 ? v : r;
 }
+inline uint32_t match_any(int v) {
+  xslot(ctx().lane)[0] = uint64_t(uint32_t(v));
+  syncwarp();
+  uint32_t m = 0;
+  for (int l = 0; l < 32; ++l)
+    if (uint32_t(xslot(l)[0]) == uint32_t(v)) m |= 1u << l;
+  syncwarp();
+  return m;
+}
 inline void atomic_add(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v); }
 
 [[noreturn]] inline void fail(const char* what) {
