@@ -1,4 +1,4 @@
-"""GPU microbenchmark of the three vegas CUDA kernels (issue: CUDA kernels).
+"""GPU microbenchmark of the three vegas CUDA kernels.
 
     python bench/bench_cuda_kernels.py [--seq-lens 8192 32768 131072] [--batches 1 8 32]
 
@@ -12,7 +12,7 @@ head_dim 128), bf16, block_size 16, full-length rows. Per (S, batch):
 * block_topk of the verification's block scores (k = the 5 % budget, 1 sink): time and
   its share of one verify_attention call.
 Timing: CUDA events, L2 flushed (256 MiB write) before every call, median of repeats.
-Targets (issue): verify within 1.1x of SDPA-flash; draft >= 60 % of copy bandwidth;
+Targets: verify within 1.1x of SDPA-flash; draft >= 60 % of copy bandwidth;
 top-k < 5 % of a verification at 32K. Writes <out>.jsonl and <out>.md.
 """
 import argparse

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-call GPU check of the vegas CUDA kernels (issue: CUDA kernels), for a machine with
+# One-call GPU check of the vegas CUDA kernels, for a machine with
 # one NVIDIA GPU, torch (a CUDA build) and a CUDA toolkit already installed, no network:
 #   1. builds the extension in place for this GPU only (TORCH_CUDA_ARCH_LIST from the
 #      device's compute capability, MAX_JOBS = all cores);
