@@ -340,7 +340,7 @@ def test_progress_on_a_terminal_uses_bars_and_summary_lines(tiny_model_dir, caps
                    "--ignore-eos", "--json"])
     err = fake.getvalue()
     assert rc == 0, err
-    assert "layer" in err and "tok" in err  # the tqdm bars: prefill by layer, decoding by token
+    assert "layer" in err and "token" in err  # the tqdm bars: prefill by layer, decoding by token
     assert "vegas: prefill (vegas): 1 tokens" not in err
     assert any(l.startswith("vegas: decoding (vegas): 5 tokens in ") for l in err.replace("\r", "\n").splitlines())
     d = json.loads(capsys.readouterr().out)
@@ -348,14 +348,14 @@ def test_progress_on_a_terminal_uses_bars_and_summary_lines(tiny_model_dir, caps
 
 
 def test_log_bar_rate_limited(capsys):
-    bar = cli._LogBar("decoding (x)", 100, "tok", interval=3600.0)
+    bar = cli._LogBar("decoding (x)", 100, "token", interval=3600.0)
     for _ in range(100):
         bar.update(1)
     bar.close()
     assert capsys.readouterr().err == ""  # no line before the interval; the phase summary line is the caller's
-    bar = cli._LogBar("decoding (x)", 100, "tok", interval=0.0)
+    bar = cli._LogBar("decoding (x)", 100, "token", interval=0.0)
     bar.update(3)
-    assert capsys.readouterr().err == "vegas: decoding (x): 3/100 toks ...\n"
+    assert capsys.readouterr().err == "vegas: decoding (x): 3/100 tokens, 0 s ...\n"
 
 
 # ------------------------------------------------------------- the lossless contract and its report

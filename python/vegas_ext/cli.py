@@ -16,6 +16,8 @@ and argument errors answer at once; torch, transformers and the model load after
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -32,7 +34,7 @@ DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "flo
 LOG_INTERVAL_S = 10.0
 #: A first difference whose two target logits are at most this many units in the last place
 #: (of the run's dtype, at the larger logit) apart is reported as a near-tie.
-NEAR_TIE_ULPS = 4
+NEAR_TIE_ULPS = 8
 
 
 class CLIError(Exception):
@@ -262,7 +264,7 @@ class _LogBar:
     def __init__(self, desc: str, total: Optional[int], unit: str, interval: float = LOG_INTERVAL_S):
         self.desc, self.total, self.unit, self.interval = desc, total, unit, interval
         self.n = 0
-        self._last = time.perf_counter()
+        self._t0 = self._last = time.perf_counter()
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -270,7 +272,7 @@ class _LogBar:
         if now - self._last >= self.interval:
             self._last = now
             of = f"/{self.total}" if self.total else ""
-            _eprint(f"vegas: {self.desc}: {self.n}{of} {self.unit}s ...")
+            _eprint(f"vegas: {self.desc}: {self.n}{of} {self.unit}s, {now - self._t0:.0f} s ...")
 
     def close(self) -> None:
         pass
@@ -373,7 +375,7 @@ class RunProgress:
             self.t_first = time.perf_counter()
         if self.show:
             _eprint(f"vegas: prefill ({self.label}): {self._rows_tokens()} in {self.t_first - self.t_start:.1f} s")
-            unit, total = ("tok", self.max_new_tokens) if self.token_bar else ("forward", None)
+            unit, total = ("token", self.max_new_tokens) if self.token_bar else ("forward pass", None)
             self._bar = _bar(f"decoding ({self.label})", total, unit) if (self.token_bar or self.layers) else None
 
     def _layer_hook(self, is_last: bool):
@@ -601,16 +603,38 @@ def _resolve_device_dtype(args):
     return device, dtype
 
 
+@contextlib.contextmanager
+def _quiet_conversion_bar():
+    """transformers' GGUF conversion bar (its own tqdm, ~300 ``\\r`` updates) off when stderr is
+    not a terminal; the load's start and end lines say what happens."""
+    try:
+        if sys.stderr.isatty():
+            raise ImportError
+        from tqdm.auto import tqdm
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        old = gguf_utils.tqdm
+    except (ImportError, AttributeError):
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = old
+
+
 def _load(args, dtype, device, show: bool):
     from . import models
 
     name = args.model or "the embedded SmolLM2-135M-Instruct"
     if show:
-        first = (f"; first use: converting the GGUF file once (~20 s), cached in {models.cache_root()}"
+        first = (f"; first use: converting the GGUF file once (~0.5-2 min), cached in {models.cache_root()}"
                  if models.needs_conversion(args.model) else "")
         _eprint(f"vegas: loading {name}{first} ...")
     try:
-        model, tok = models.load_model(args.model, dtype=dtype, device=device)
+        with _quiet_conversion_bar():
+            model, tok = models.load_model(args.model, dtype=dtype, device=device)
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     info = models.last_load_info
