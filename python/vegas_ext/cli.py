@@ -282,7 +282,12 @@ def _bar(desc: str, total: Optional[int], unit: str):
     if sys.stderr.isatty():
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+        try:  # a terminal that reports 0 columns (some ptys) would get an empty bar
+            sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
+        except (OSError, ValueError, AttributeError):
+            sized = False
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=sized,
+                    ncols=None if sized else 80, nrows=None if sized else 24)
     return _LogBar(desc, total, unit)
 
 
@@ -355,7 +360,8 @@ class RunProgress:
         if self.show and exc[0] is None:
             t = (self.t_end or time.perf_counter()) - (self.t_first or self.t_start)
             done = f"{self.count} tokens" if self.count else f"{self._forwards} forward passes"
-            rate = f" ({self.count / t:.2f} tok/s per row)" if self.count and t > 0 else ""
+            per_row = " per row" if self.batch_size > 1 else ""
+            rate = f" ({self.count / t:.2f} tokens/s{per_row})" if self.count and t > 0 else ""
             _eprint(f"vegas: decoding ({self.label}): {done} in {t:.1f} s{rate}")
         return False
 
@@ -762,7 +768,7 @@ def cmd_generate(args) -> int:
     B = len(rows)
     dtype_name = str(dtype).replace("torch.", "")
     if show:
-        _eprint(f"vegas: prompt: {B} row(s) of {', '.join(f'{len(r):,}' for r in rows[:8])}{' ...' if B > 8 else ''} "
+        _eprint(f"vegas: prompt: {B} row{'s' if B > 1 else ''} of {', '.join(f'{len(r):,}' for r in rows[:8])}{' ...' if B > 8 else ''} "
                 f"tokens{' (chat template)' if args.chat else ''}; up to {max_new} new tokens per row with "
                 f"{args.algorithm}, gamma {args.num_speculative_tokens}, ratio {args.ratio}, block {args.block_size}")
 
@@ -795,10 +801,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:  # e.g. an unsupported model / config refused by the decode loop
         raise CLIError(str(e).splitlines()[0]) from None
     _sync(device)
-    wall = time.perf_counter() - t0
-    if stream_text:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    wall = time.perf_counter() - t0  # (a streamed text already ended with its newline: TextStreamer.end)
     stats = dict(getattr(out, "stats", {}) or {})
     ours = new_tokens(out.sequences, ids.shape[1], eos, max_new)
     n_ours = sum(len(r) for r in ours)
