@@ -348,6 +348,28 @@ def test_progress_on_a_terminal_uses_bars_and_summary_lines(tiny_model_dir, caps
     assert len(d["token_ids"][0]) == 5
 
 
+def test_streamed_text_on_a_terminal_has_no_decoding_bar(tiny_model_dir, monkeypatch):
+    """One row on a terminal: the text streams to stdout and is the decoding progress; no bar on
+    stderr then (it would interleave with the text), only the prefill bar and the summary lines."""
+    import io
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, err = TTY(), TTY()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    rc = cli.main(["generate", "--model", tiny_model_dir, "--prompt", "the day", "--max-new-tokens", "5",
+                   "--ignore-eos"])
+    assert rc == 0, err.getvalue()
+    e = err.getvalue()
+    assert "\rprefill (vegas)" in e and "\rdecoding (vegas)" not in e, e
+    assert "vegas: decoding (vegas): 5 tokens in " in e
+    text = out.getvalue()
+    assert text.strip() and text.endswith("\n") and not text.endswith("\n\n")  # one newline after the text
+
+
 def test_log_bar_rate_limited(capsys):
     bar = cli._LogBar("decoding (x)", 100, "token", interval=3600.0)
     for _ in range(100):

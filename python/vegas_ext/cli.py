@@ -311,8 +311,9 @@ class RunProgress:
 
     * prefill: the prompt's forward pass, counted layer by layer (forward hooks on the decoder
       layers), so a long prompt on a CPU shows where it is and how long it has left;
-    * decoding: new tokens (from the streamer, batch size 1 or HF's ``generate``) or, when no
-      streamer reports tokens (our loop with several rows), forward passes.
+    * decoding: ``decode_bar="token"``: new tokens (from the streamer: batch size 1, or HF's
+      ``generate``); ``"forward pass"``: forward passes (our loop with several rows, which
+      streams nothing); ``None``: no bar (the text itself streams to the terminal).
 
     Each phase ends with one summary line (``vegas: prefill (vegas): 7,182 tokens in 94.1 s``).
     On a terminal the bars are tqdm bars erased when done; elsewhere (a log file, a pipe) a line
@@ -323,9 +324,11 @@ class RunProgress:
     """
 
     def __init__(self, model, label: str, batch_size: int, prompt_tokens: int, max_new_tokens: int,
-                 show: bool = True, token_bar: bool = True, inner=None):
+                 show: bool = True, decode_bar: Optional[str] = "token", inner=None):
+        if decode_bar not in ("token", "forward pass", None):
+            raise ValueError(f"decode_bar must be 'token', 'forward pass' or None, got {decode_bar!r}")
         self.label, self.batch_size, self.prompt_tokens = label, batch_size, prompt_tokens
-        self.max_new_tokens, self.show, self.token_bar, self.inner = max_new_tokens, show, token_bar, inner
+        self.max_new_tokens, self.show, self.decode_bar, self.inner = max_new_tokens, show, decode_bar, inner
         self.layers = _decoder_layers(model) if show else None
         self.phase = "prefill"
         self.t_start = time.perf_counter()
@@ -381,8 +384,10 @@ class RunProgress:
             self.t_first = time.perf_counter()
         if self.show:
             _eprint(f"vegas: prefill ({self.label}): {self._rows_tokens()} in {self.t_first - self.t_start:.1f} s")
-            unit, total = ("token", self.max_new_tokens) if self.token_bar else ("forward pass", None)
-            self._bar = _bar(f"decoding ({self.label})", total, unit) if (self.token_bar or self.layers) else None
+            if self.decode_bar == "token":
+                self._bar = _bar(f"decoding ({self.label})", self.max_new_tokens, "token")
+            elif self.decode_bar == "forward pass" and self.layers is not None:
+                self._bar = _bar(f"decoding ({self.label})", None, "forward pass")
 
     def _layer_hook(self, is_last: bool):
         def hook(module, inputs, output):
@@ -393,7 +398,7 @@ class RunProgress:
                     self._end_prefill()
             elif is_last:
                 self._forwards += 1
-                if not self.token_bar and self._bar is not None:
+                if self.decode_bar == "forward pass" and self._bar is not None:
                     self._bar.update(1)
         return hook
 
@@ -417,7 +422,7 @@ class RunProgress:
         else:
             n = 1
         self.count += n
-        if self.token_bar and self._bar is not None:
+        if self.decode_bar == "token" and self._bar is not None:
             self._bar.update(n)
 
     def end(self):
@@ -793,7 +798,7 @@ def cmd_generate(args) -> int:
 
         inner = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     prog = RunProgress(model, args.algorithm, B, max(len(r) for r in rows), max_new, show=show,
-                       token_bar=(B == 1 and not stream_text), inner=inner)
+                       decode_bar=None if stream_text else ("token" if B == 1 else "forward pass"), inner=inner)
     t0 = time.perf_counter()
     try:
         with prog, torch.inference_mode():
