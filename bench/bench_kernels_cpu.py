@@ -1,4 +1,4 @@
-"""CPU microbenchmark of the three vegas kernels (issue: ops + CPU kernels).
+"""CPU microbenchmark of the three vegas kernels.
 
     python bench/bench_kernels_cpu.py [--seq-lens 2048 8192 32768] [--dtype float32] [--repeats 7]
 

@@ -13,7 +13,7 @@ random K/V per row, then times single forwards, interleaved and repeated, keepin
 and prints the speedups the cost model predicts for a mean acceptance length ``tau`` (given or
 1 + 0.8 * gamma): ``tau * full_step / (gamma * draft_step + verify + select)``.
 
-On a GPU (issue "CUDA kernels", end-to-end check): a random-weight model of Llama-3-8B's shape
+On a GPU (the end-to-end step of bench/gpu_check.sh): a random-weight model of Llama-3-8B's shape
 (weights cannot travel to the GPU machine; step times do not depend on their values), bf16,
 32K context, batch 8, the fixed acceptance pattern ``--tau``::
 

@@ -17,12 +17,12 @@ Writes into ``bench/results/<name>/`` (or ``--out``):
 
 Examples::
 
-    python bench/e2e.py                                         # the issue's grid (slow on CPU)
+    python bench/e2e.py                                         # the full grid (slow on CPU)
     python bench/e2e.py --docs kjv --context-lengths 512 --batch-sizes 1 \\
         --max-new-tokens 8 --repeats 1 --out bench/results/tmp/smoke   # smoke run
 
 Metrics: ``decode_tokens_per_s`` = new tokens after each row's first / (total - prefill) time,
-the number the issue's targets are about; ``tokens_per_s`` includes prefill. HF's prefill time is
+the number the project's speed targets are about; ``tokens_per_s`` includes prefill. HF's prefill time is
 taken from its streamer (time of the first new token).
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma:
     """Our decode loop (``vegas_ext.generate``), greedy, EOS ignored; ``extra`` holds further
     ``generate`` options (``query_weights``, ``share_selection_across_heads``,
     ``selection_refresh_interval``, ``prefill_cache``, ...)."""
-    from vegas_ext.decode import generate
+    from vegas_ext import generate  # also registers the rival algorithms
 
     sync(ids.device)
     with torch.inference_mode():
@@ -309,6 +309,7 @@ def parse_args(argv=None):
             ap.error(str(e))
     if args.max_new_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or min(args.context_lengths) < 8:
         ap.error("--max-new-tokens, --repeats, --batch-sizes must be >= 1 and contexts >= 8")
+    from vegas_ext import selection  # noqa: F401  (registers streamingllm and quest)
     from vegas_ext.decode import SELECTION_ALGORITHMS
 
     for a in args.algorithms:
@@ -349,6 +350,7 @@ def configurations(args) -> List[Dict[str, Any]]:
     """Algorithm configurations of one cell, in run order: baselines first, then for every
     (gamma, ratio, block size) the algorithms one after another, so that the runs compared with
     each other are adjacent in time and a burst of machine noise hits them alike."""
+    from vegas_ext import selection  # noqa: F401  (registers streamingllm and quest)
     from vegas_ext.decode import SELECTION_ALGORITHMS
 
     cfgs = []

@@ -12,7 +12,7 @@ Writes into ``--out``:
      plain decoding (``full``; median over documents, each run against the ``full`` run of the
      same document and cell) with the cost-model bound next to it;
   2. grid-wide aggregates (geometric means of the acceptance ratios over cells, how many cells meet
-     the issue's targets, selection overhead per algorithm, token identity of every run);
+     the project's targets (see the README's Results), selection overhead per algorithm, token identity of every run);
   3. plain decoding: HF ``generate`` and ``full`` decode tokens/s per (context, batch);
   4. the per-run detail table of :func:`e2e.summary_markdown`.
 

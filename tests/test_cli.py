@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -69,9 +70,9 @@ def _assert_one_line_error(rc, out, err):
     assert "Traceback" not in err
     lines = [l for l in err.strip().splitlines() if l.strip()]
     errors = [l for l in lines if "error" in l]
-    # one error line, last; at most an informational "loaded ..." line before it
+    # one error line, last; before it at most the progress lines ("vegas: starting ...", "vegas: loading ...")
     assert len(errors) == 1 and lines[-1] == errors[0] and lines[-1].startswith("vegas: error:"), err
-    assert len(lines) <= 2, err
+    assert all(l.startswith("vegas: ") for l in lines) and len(lines) <= 4, err
     return errors[0]
 
 
@@ -84,9 +85,11 @@ def test_json_output_fields(tiny_model_dir, capsys):
     assert rc == 0, err
     assert "Traceback" not in err
     d = json.loads(out)  # exactly one JSON object on stdout
-    for key in ("prompt_token_ids", "token_ids", "text", "stats", "baseline_tokens_per_s", "speedup", "identical"):
+    for key in ("prompt_lengths", "token_ids", "text", "stats", "baseline_tokens_per_s", "speedup", "identical"):
         assert key in d, key
-    assert len(d["prompt_token_ids"]) == len(d["token_ids"]) == len(d["text"]) == 1
+    assert "prompt_token_ids" not in d  # long; only with --json-prompt-ids
+    assert len(d["prompt_lengths"]) == len(d["token_ids"]) == len(d["text"]) == 1
+    assert d["first_difference"] is None
     assert len(d["token_ids"][0]) == 10  # --ignore-eos: every row runs to max_new_tokens
     assert d["identical"] is True  # greedy Vegas == plain greedy HF generate
     assert d["baseline_token_ids"] == d["token_ids"]
@@ -105,10 +108,11 @@ def test_json_batch_of_prompts_and_repeat(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "pride",
                             "--prompt", "the long letter of mr darcy to elizabeth was very long",
                             "--batch-size", "3", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
-                            "--compare", "--json", "--no-progress", "--ignore-eos"], capsys)
+                            "--compare", "--json", "--json-prompt-ids", "--no-progress", "--ignore-eos"], capsys)
     assert rc == 0, err
     d = json.loads(out)
     assert len(d["token_ids"]) == 3 and len(d["prompt_token_ids"]) == 3
+    assert d["prompt_lengths"] == [len(r) for r in d["prompt_token_ids"]]
     assert d["prompt_token_ids"][0] == d["prompt_token_ids"][2] != d["prompt_token_ids"][1]
     assert all(len(r) == 6 for r in d["token_ids"])
     assert d["identical"] is True
@@ -116,7 +120,7 @@ def test_json_batch_of_prompts_and_repeat(tiny_model_dir, capsys):
 
 def test_chat_and_full_algorithm(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the ball", "--chat",
-                            "--algorithm", "full", "--max-new-tokens", "4", "--json", "--no-progress"], capsys)
+                            "--algorithm", "full", "--max-new-tokens", "4", "--json", "--json-prompt-ids", "--no-progress"], capsys)
     assert rc == 0, err
     d = json.loads(out)
     tok_dir = tiny_model_dir
@@ -186,6 +190,8 @@ BAD = {
     "unknown_flag": (["--frobnicate"], "unrecognized"),
     "refresh_zero": (["--refresh-interval", "0"], "refresh-interval"),
     "bad_query_weights": (["--query-weights", "middle"], "query-weights"),
+    "bad_device": (["--device", "gpu"], "--device"),
+    "json_prompt_ids_without_json": (["--json-prompt-ids"], "--json"),
 }
 
 
@@ -231,7 +237,7 @@ def test_max_new_tokens_clamped_to_positions(tiny_model_dir, capsys):
                             "--ignore-eos", "--json", "--no-progress"], capsys)
     assert rc == 0, err
     d = json.loads(out)
-    assert len(d["prompt_token_ids"][0]) + len(d["token_ids"][0]) <= 64
+    assert d["prompt_lengths"][0] + len(d["token_ids"][0]) <= 64
 
 
 def test_no_subcommand_prints_help(capsys):
@@ -249,6 +255,271 @@ def test_console_entry_point_subprocess(tmp_path):
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("vegas: error:"), r.stderr
         assert r.stdout == ""
+
+
+# ---------------------------------------------------------------------- start-up and progress
+
+def _subprocess_env(tmp_path):
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__))))
+    env = dict(os.environ, VEGAS_CACHE_DIR=str(tmp_path))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_help_and_argument_errors_do_not_import_torch(tmp_path):
+    """`vegas generate --help` and a bad flag answer before torch / transformers are imported."""
+    probe = ("import sys, time; t = time.perf_counter(); from vegas_ext import cli\n"
+             "for argv in (['generate', '--help'], ['generate', '--ratio', '0'], ['generate', '--frobnicate'],\n"
+             "             ['generate', '--algorithm', 'magic'], ['generate', '--dtype', 'int3']):\n"
+             "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+             "print('SECONDS', time.perf_counter() - t, 'HEAVY', sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_subprocess_env(tmp_path),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1].split()
+    assert last[0] == "SECONDS" and last[2] == "HEAVY"
+    assert " ".join(last[3:]) == "[]", r.stdout  # nothing heavy was imported
+    assert float(last[1]) < 5.0, last  # ~0.05 s; generous for a loaded machine
+
+
+def test_help_subprocess_is_fast(tmp_path):
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "vegas_ext", "generate", "--help"], capture_output=True, text=True,
+                       env=_subprocess_env(tmp_path), timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 0 and "--num-speculative-tokens" in r.stdout and "--json-prompt-ids" in r.stdout
+    assert elapsed < 10.0, elapsed  # interpreter start-up included; importing torch alone takes longer here
+
+
+def test_algorithm_list_matches_the_registry():
+    """The CLI checks --algorithm before importing torch, against a list kept equal to the registry."""
+    import vegas_ext
+
+    vegas_ext.generate  # registers the rivals
+    from vegas_ext.decode import SELECTION_ALGORITHMS
+
+    public = sorted(n for n in SELECTION_ALGORITHMS if not n.startswith("_"))  # "_test_*": other test files
+    assert tuple(public) == cli.ALGORITHMS
+
+
+def test_package_import_is_lazy_and_complete(tmp_path):
+    """`import vegas_ext` loads nothing heavy; `from vegas_ext import generate` still works and sees
+    every algorithm; touching a torch-side attribute registers the compiled ops."""
+    probe = ("import sys; import vegas_ext; assert 'torch' not in sys.modules\n"
+             "from vegas_ext import generate, GenerateOutput, reference\n"
+             "import torch; from vegas_ext.decode import SELECTION_ALGORITHMS\n"
+             "print(sorted(SELECTION_ALGORITHMS), callable(generate), hasattr(torch.ops.vegas, 'block_topk'))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_subprocess_env(tmp_path),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "['full', 'quest', 'streamingllm', 'vegas'] True True"
+
+
+def test_progress_in_a_log_file_has_no_carriage_returns(tiny_model_dir, capsys):
+    """stderr is not a terminal under capsys: progress is whole lines (phase starts and ends), no \\r."""
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
+                            "--max-new-tokens", "6", "--ignore-eos", "--compare"], capsys)
+    assert rc == 0, err
+    assert "\r" not in err
+    lines = err.splitlines()
+    for phase in ("prefill (vegas)", "decoding (vegas)", "prefill (HF generate)", "decoding (HF generate)"):
+        assert any(l.startswith(f"vegas: {phase}: ") and " in " in l for l in lines), (phase, err)
+    assert any(l.startswith("vegas: loaded in ") for l in lines)
+    assert out.strip()  # the text, printed at the end (stdout is not a terminal either)
+
+
+def test_progress_on_a_terminal_uses_bars_and_summary_lines(tiny_model_dir, capsys, monkeypatch):
+    import io
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    fake = TTY()
+    monkeypatch.setattr(sys, "stderr", fake)
+    rc = cli.main(["generate", "--model", tiny_model_dir, "--prompt", "the day", "--max-new-tokens", "5",
+                   "--ignore-eos", "--json"])
+    err = fake.getvalue()
+    assert rc == 0, err
+    assert "layer" in err and "token" in err  # the tqdm bars: prefill by layer, decoding by token
+    assert "vegas: prefill (vegas): 1 tokens" not in err
+    assert any(l.startswith("vegas: decoding (vegas): 5 tokens in ") for l in err.replace("\r", "\n").splitlines())
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["token_ids"][0]) == 5
+
+
+def test_streamed_text_on_a_terminal_has_no_decoding_bar(tiny_model_dir, monkeypatch):
+    """One row on a terminal: the text streams to stdout and is the decoding progress; no bar on
+    stderr then (it would interleave with the text), only the prefill bar and the summary lines."""
+    import io
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, err = TTY(), TTY()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    rc = cli.main(["generate", "--model", tiny_model_dir, "--prompt", "the day", "--max-new-tokens", "5",
+                   "--ignore-eos"])
+    assert rc == 0, err.getvalue()
+    e = err.getvalue()
+    assert "\rprefill (vegas)" in e and "\rdecoding (vegas)" not in e, e
+    assert "vegas: decoding (vegas): 5 tokens in " in e
+    text = out.getvalue()
+    assert text.strip() and text.endswith("\n") and not text.endswith("\n\n")  # one newline after the text
+
+
+def test_log_bar_rate_limited(capsys):
+    bar = cli._LogBar("decoding (x)", 100, "token", interval=3600.0)
+    for _ in range(100):
+        bar.update(1)
+    bar.close()
+    assert capsys.readouterr().err == ""  # no line before the interval; the phase summary line is the caller's
+    bar = cli._LogBar("decoding (x)", 100, "token", interval=0.0)
+    bar.update(3)
+    assert capsys.readouterr().err == "vegas: decoding (x): 3/100 tokens, 0 s ...\n"
+
+
+# ------------------------------------------------------------- the lossless contract and its report
+
+def _tiny_llama(folder, seed, layers=2, heads=4, kv_heads=2, positions=512):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _make_tokenizer(folder)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, initializer_range=0.15)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+CONTRACT_CONFIGS = [  # seed, layers, heads, KV heads
+    (0, 2, 4, 2), (1, 2, 4, 1), (2, 3, 4, 4), (3, 2, 4, 2), (4, 4, 4, 2), (5, 2, 4, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def contract_models(tmp_path_factory):
+    return [_tiny_llama(str(tmp_path_factory.mktemp(f"contract{i}")), *c) for i, c in enumerate(CONTRACT_CONFIGS)]
+
+
+def _contract_run(folder, dtype, capsys):
+    prompt = " ".join(WORDS[(7 * i) % len(WORDS)] for i in range(180))  # ~180 tokens: drafts are sparse
+    rc, out, err = run_cli(["generate", "--model", folder, "--prompt", prompt, "--dtype", dtype,
+                            "--max-new-tokens", "24", "--num-speculative-tokens", "3", "--ratio", "0.1",
+                            "--min-tokens", "8", "--block-size", "4", "--ignore-eos", "--compare", "--json",
+                            "--no-progress"], capsys)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("i", range(len(CONTRACT_CONFIGS)))
+def test_float32_greedy_is_token_for_token(i, contract_models, capsys):
+    d = _contract_run(contract_models[i], "float32", capsys)
+    assert d["identical"] is True, d["first_difference"]
+    assert d["token_ids"] == d["baseline_token_ids"] and len(d["token_ids"][0]) == 24
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("i", range(len(CONTRACT_CONFIGS)))
+def test_half_precision_greedy_equal_up_to_near_ties(i, dtype, contract_models, capsys):
+    """bf16 / fp16: identical, or the first difference is a near-tie of the target's logits."""
+    d = _contract_run(contract_models[i], dtype, capsys)
+    if not d["identical"]:
+        f = d["first_difference"]
+        assert f["near_tie"] is True and f["ulps"] <= cli.NEAR_TIE_ULPS, f
+
+
+def _tie_model(tiny_model_dir, tmp_path):
+    """The tiny model with two lm_head rows made equal: tokens a < b then always tie exactly, and
+    plain greedy's first token is a (argmax takes the lower index)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([tok("the man said to miss bennet").input_ids])
+    with torch.no_grad():
+        logits = m(ids).logits[0, -1]
+        order = logits.argsort(descending=True).tolist()
+        a = order[0]
+        b = max(t for t in range(len(tok)) if t != a)  # a higher index than a
+        m.lm_head.weight[b].copy_(m.lm_head.weight[a])
+        worst = int(m(ids).logits[0, -1].argmin())
+    folder = str(tmp_path / "tie")
+    m.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, a, b, worst
+
+
+def _swap_first_token(monkeypatch, new_first):
+    """Makes our loop emit ``new_first`` as its first new token (a stand-in for a rounding flip)."""
+    import vegas_ext
+
+    real = vegas_ext.generate
+
+    def fake(model, ids, mask=None, **kw):
+        out = real(model, ids, mask, **kw)
+        if kw.get("max_new_tokens", 0) > 2:  # not the warm-up
+            out.sequences[:, ids.shape[1]] = new_first
+        return out
+
+    monkeypatch.setattr(vegas_ext, "generate", fake)
+
+
+def test_compare_reports_a_near_tie(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    folder, a, b, _ = _tie_model(tiny_model_dir, tmp_path)
+    _swap_first_token(monkeypatch, b)
+    argv = ["generate", "--model", folder, "--prompt", "the man said to miss bennet", "--max-new-tokens", "6",
+            "--ignore-eos", "--compare", "--no-progress"]
+    rc, out, err = run_cli(argv + ["--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    f = d["first_difference"]
+    assert d["identical"] is False and d["baseline_token_ids"][0][0] == a
+    assert f["row"] == 0 and f["token"] == 0 and f["ours"] == b and f["baseline"] == a
+    assert f["abs_delta_logit"] == 0.0 and f["near_tie"] is True
+    rc, out, err = run_cli(argv, capsys)
+    line = next(l for l in err.splitlines() if l.startswith("identical"))
+    assert "differs at token 0 (near-tie, |Δlogit| = 0 = 0.0 float32 ulp)" in line, line
+    assert "token-for-token" in line and "up to ties and rounding" in line
+
+
+def test_compare_reports_a_real_difference(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    folder, a, _, worst = _tie_model(tiny_model_dir, tmp_path)
+    _swap_first_token(monkeypatch, worst)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    m = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        logits = m(torch.tensor([tok("the man said to miss bennet").input_ids])).logits[0, -1]
+    rc, out, err = run_cli(["generate", "--model", folder, "--prompt", "the man said to miss bennet",
+                            "--max-new-tokens", "6", "--ignore-eos", "--compare", "--no-progress"], capsys)
+    assert rc == 0, err
+    line = next(l for l in err.splitlines() if l.startswith("identical"))
+    gap = float(logits[a] - logits[worst])
+    assert line.startswith("identical            NO: differs at token 0 (|Δlogit| = "), line
+    assert "not a near-tie" in line
+    shown = float(line.split("|Δlogit| = ")[1].split(" ")[0])
+    assert shown == pytest.approx(gap, rel=1e-3, abs=1e-4)
+
+
+def test_first_difference_unit():
+    rec = cli._ChosenLogits([[5, 6, 7]])
+    rec.steps = [[(2.0, 2.0)], [(3.0, 3.0)], [(4.0, 4.0 - 2 * 2.0 ** -21)]]  # step 2: 2 float32 ulps at 4.0
+    f = cli.first_difference([[5, 6, 7]], [[5, 6, 9]], rec, torch.float32)
+    assert (f["row"], f["token"], f["ours"], f["baseline"]) == (0, 2, 7, 9)
+    assert f["ulps"] == pytest.approx(2.0) and f["near_tie"] is True
+    f = cli.first_difference([[5, 6, 7]], [[5, 6, 9]], rec, torch.bfloat16)
+    assert f["ulps"] == pytest.approx(2 * 2.0 ** -21 / 2.0 ** -5) and f["near_tie"] is True
+    assert cli.first_difference([[1, 2]], [[1, 2]], rec, torch.float32) is None
+    f = cli.first_difference([[1, 2], [3, 4]], [[1, 2], [3, 5]], None, torch.float32)
+    assert (f["row"], f["token"], f["abs_delta_logit"]) == (1, 1, None)  # no recorder: position only
+    assert cli.identical_line(True, None, "float32").startswith("yes")
+    assert cli.identical_line(None, None, "float32").startswith("n/a")
 
 
 # ------------------------------------------------------------------------- models / documents
@@ -322,5 +593,5 @@ def test_default_run_is_identical_to_hf(capsys):
                             "--no-progress"], capsys)
     assert rc == 0, err
     d = json.loads(out)
-    assert len(d["prompt_token_ids"][0]) > 6000
+    assert d["prompt_lengths"] == [7182]  # the embedded document (7,128 tokens) + instruction + chat template
     assert d["identical"] is True

@@ -6,12 +6,48 @@ verification's own attention mass.
 
 Ops (``torch.ops.vegas.*``, typed wrappers in :mod:`vegas_ext.ops`):
 :func:`verify_attention`, :func:`block_topk`, :func:`sparse_draft_attention`.
+Decoding: :func:`generate` (returns a :class:`GenerateOutput`).
+
+Importing the package is cheap: torch, transformers and the compiled ops load on first use of
+an attribute (``vegas_ext.generate``, ``vegas_ext.ops``, ``from vegas_ext import reference``, ...),
+so ``vegas --help`` answers at once. Touching any torch-side attribute loads the compiled ops
+(``torch.ops.vegas.*``); ``generate``, ``GenerateOutput``, ``decode`` and ``selection`` also
+register the rival selection algorithms (``"streamingllm"``, ``"quest"``).
 """
-from . import ops, reference
-from .ops import block_topk, sparse_draft_attention, verify_attention
-from .decode import generate, GenerateOutput
-from . import selection  # registers "streamingllm" and "quest"
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "generate", "GenerateOutput", "__version__"]
+# attribute -> submodule that defines it
+_EXPORTS = {
+    "verify_attention": "ops",
+    "block_topk": "ops",
+    "sparse_draft_attention": "ops",
+    "generate": "decode",
+    "GenerateOutput": "decode",
+}
+# submodules that need the compiled ops loaded first (everything torch-side)
+_TORCH_SUBMODULES = {"ops", "reference", "cache", "hf", "decode", "selection"}
+# names whose use must also see every selection algorithm registered
+_NEEDS_ALL_ALGORITHMS = {"generate", "GenerateOutput", "decode", "selection"}
+
+__all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "generate",
+           "GenerateOutput", "__version__"]
+
+
+def __getattr__(name):
+    """Loads the torch-side parts on first use (PEP 562); see the module docstring."""
+    module = _EXPORTS.get(name, name if name in _TORCH_SUBMODULES else None)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(".ops", __name__)  # registers torch.ops.vegas.* (and imports reference)
+    mod = importlib.import_module("." + module, __name__)
+    if name in _NEEDS_ALL_ALGORITHMS:
+        importlib.import_module(".selection", __name__)  # registers "streamingllm" and "quest"
+    value = getattr(mod, name) if name in _EXPORTS else mod
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -2,25 +2,39 @@
 
 Examples::
 
-    vegas generate --compare                  # embedded SmolLM2 on the embedded 7K-token document
+    vegas generate --chat --compare           # embedded SmolLM2 on the embedded 7,128-token document
     vegas generate --prompt "Hello" --chat --max-new-tokens 32
     vegas generate --model ./my-llama --prompt-file doc.txt --batch-size 4 --json
 
-Text goes to stdout (streamed for a single row), progress and statistics to stderr; with
-``--json`` stdout carries exactly one JSON object. Bad input ends with a one-line
+Text goes to stdout (streamed for a single row on a terminal), progress and statistics to
+stderr; with ``--json`` stdout carries exactly one JSON object. Bad input ends with a one-line
 ``vegas: error: ...`` on stderr and exit status 2.
+
+Start-up is cheap: this module imports only the standard library at import time, so ``--help``
+and argument errors answer at once; torch, transformers and the model load after parsing.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-ALGORITHMS = ("vegas", "full")
+#: Algorithms ``--algorithm`` accepts, checked before torch is imported (a test keeps this equal
+#: to the decode loop's registry, ``vegas_ext.decode.SELECTION_ALGORITHMS`` with the rivals).
+ALGORITHMS = ("full", "quest", "streamingllm", "vegas")
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
+#: Seconds between progress lines when stderr is not a terminal (a log file or a pipe).
+LOG_INTERVAL_S = 10.0
+#: A first difference whose two target logits are at most this many units in the last place
+#: (of the run's dtype, at the larger logit) apart is reported as a near-tie.
+NEAR_TIE_ULPS = 8
 
 
 class CLIError(Exception):
@@ -35,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------------------------------
-# argument parsing
+# argument parsing (standard library only)
 
 def _int(name):
     """argparse type: an integer (range checks happen in _validate, with clearer messages)."""
@@ -56,14 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate text with Vegas self-speculative decoding",
         description="Generate text with Vegas self-speculative decoding. Default: the embedded "
-        "SmolLM2-135M-Instruct model on the embedded ~7K-token document (chapters 1-5 of Pride and "
-        "Prejudice) with an instruction to summarize it.",
+        "SmolLM2-135M-Instruct model on the embedded 7,128-token document (chapters 1-5 of Pride and "
+        "Prejudice) with an instruction to summarize it (7,182 tokens with --chat).",
     )
     m = g.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help="local HF model folder, .gguf file, or hub id already in the local HF cache "
                         "(default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
-    m.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    m.add_argument("--dtype", default="float32",
+                   help="float32 (default; greedy output is token-for-token plain greedy), bfloat16 or float16 "
+                        "(equal up to ties and rounding of the target's logits)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available; default)")
     pr = g.add_argument_group("prompt")
     src = pr.add_mutually_exclusive_group()
@@ -106,14 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     o = g.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="also run plain greedy decoding with Hugging Face's model.generate; report speedup "
-                        "and whether the tokens are identical")
-    o.add_argument("--json", action="store_true", help="print one JSON object to stdout instead of text")
-    o.add_argument("--no-progress", action="store_true", help="no progress bars / streaming")
+                        "and whether the tokens are identical (where not: the first differing token and "
+                        "the gap between the two tokens' target logits there)")
+    o.add_argument("--json", action="store_true",
+                   help="print one JSON object to stdout: text, new token ids, stats (and the comparison)")
+    o.add_argument("--json-prompt-ids", action="store_true",
+                   help="with --json: also include the prompt token ids (long: one id per prompt token)")
+    o.add_argument("--no-progress", action="store_true", help="no progress lines / bars, no streaming")
     g.set_defaults(func=cmd_generate)
     return p
 
 
 def _validate(args) -> None:
+    """Range and choice checks that need no torch (so a bad flag fails in well under a second)."""
     if args.num_speculative_tokens < 1:
         raise CLIError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not (0.0 < args.ratio <= 1.0) or math.isnan(args.ratio):
@@ -130,12 +151,12 @@ def _validate(args) -> None:
         raise CLIError(f"--sink-blocks must be >= 0, got {args.sink_blocks}")
     if args.refresh_interval < 1:
         raise CLIError(f"--refresh-interval must be >= 1, got {args.refresh_interval}")
-    if args.algorithm not in _algorithms():
-        raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {', '.join(_algorithms())}")
-    if args.block_size is None:  # the algorithm's own default (vegas: 1, others: 16)
-        from .decode import SELECTION_ALGORITHMS
-
-        args.block_size = SELECTION_ALGORITHMS[args.algorithm].default_block_size
+    if args.algorithm not in ALGORITHMS:
+        raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+    if str(args.dtype).lower().replace("torch.", "") not in DTYPES:
+        raise CLIError(f"unknown --dtype {args.dtype!r}; choose one of float32, bfloat16, float16")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise CLIError(f"--device must be cpu, cuda, cuda:N or auto, got {args.device!r}")
     if args.do_sample:
         if not (args.temperature > 0) or math.isinf(args.temperature):
             raise CLIError(f"--temperature must be > 0, got {args.temperature}")
@@ -145,22 +166,12 @@ def _validate(args) -> None:
             raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
     if args.prompt is not None and any(p == "" for p in args.prompt):
         raise CLIError("--prompt must not be empty")
-
-
-def _algorithms() -> Sequence[str]:
-    try:
-        from . import decode
-
-        algos = getattr(decode, "SELECTION_ALGORITHMS", None)
-        if algos:
-            return tuple(sorted(algos))
-    except ImportError:
-        pass
-    return ALGORITHMS
+    if args.json_prompt_ids and not args.json:
+        raise CLIError("--json-prompt-ids needs --json")
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers
+# prompts and tokens
 
 def _eprint(*a, **k):
     print(*a, file=sys.stderr, flush=True, **k)
@@ -244,35 +255,166 @@ def new_tokens(sequences, prompt_len: int, eos_ids: Sequence[int], max_new_token
     return rows
 
 
-class ProgressStreamer:
-    """Streamer for ``generate`` (ours and HF's): counts new tokens, records timing, forwards to ``inner``.
+# ---------------------------------------------------------------------------------------------
+# progress on stderr: a tqdm bar on a terminal, a line every LOG_INTERVAL_S in a log file
 
-    The first ``put`` carries the prompt; every later one new tokens (``[B]``, ``[B, k]`` or, for
-    one row, ``[k]``). ``t_first`` is the time of the first new token (end of prefill).
+class _LogBar:
+    """The non-terminal stand-in for a tqdm bar: no ``\\r``; a line at most every ``interval`` s."""
+
+    def __init__(self, desc: str, total: Optional[int], unit: str, interval: float = LOG_INTERVAL_S):
+        self.desc, self.total, self.unit, self.interval = desc, total, unit, interval
+        self.n = 0
+        self._t0 = self._last = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self._last >= self.interval:
+            self._last = now
+            of = f"/{self.total}" if self.total else ""
+            _eprint(f"vegas: {self.desc}: {self.n}{of} {self.unit}s, {now - self._t0:.0f} s ...")
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(desc: str, total: Optional[int], unit: str):
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        try:  # a terminal that reports 0 columns (some ptys) would get an empty bar
+            sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
+        except (OSError, ValueError, AttributeError):
+            sized = False
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=sized,
+                    ncols=None if sized else 80, nrows=None if sized else 24)
+    return _LogBar(desc, total, unit)
+
+
+def _decoder_layers(model):
+    """The model's list of decoder layers (``model.model.layers`` for Llama/Qwen/Mistral), or None."""
+    import torch
+
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+        return layers
+    for mod in model.modules():  # other layouts: the first ModuleList of num_hidden_layers blocks
+        if isinstance(mod, torch.nn.ModuleList) and n and len(mod) == n:
+            return mod
+    return None
+
+
+class RunProgress:
+    """Progress of one generation run (ours or HF's) on stderr, in two phases.
+
+    * prefill: the prompt's forward pass, counted layer by layer (forward hooks on the decoder
+      layers), so a long prompt on a CPU shows where it is and how long it has left;
+    * decoding: ``decode_bar="token"``: new tokens (from the streamer: batch size 1, or HF's
+      ``generate``); ``"forward pass"``: forward passes (our loop with several rows, which
+      streams nothing); ``None``: no bar (the text itself streams to the terminal).
+
+    Each phase ends with one summary line (``vegas: prefill (vegas): 7,182 tokens in 94.1 s``).
+    On a terminal the bars are tqdm bars erased when done; elsewhere (a log file, a pipe) a line
+    at most every :data:`LOG_INTERVAL_S` seconds, never a ``\\r``. ``streamer`` is a HF-style
+    streamer (``put`` / ``end``) to pass to ``generate``; it records ``t_first`` (the first new
+    token: end of prefill) and ``t_end``, and forwards to ``inner`` (e.g. a ``TextStreamer``).
+    Use as a context manager around the run; ``show=False`` only records times.
     """
 
-    def __init__(self, batch_size: int, total: int, desc: str, inner=None, show: bool = True):
-        self.batch_size = batch_size
-        self.inner = inner
+    def __init__(self, model, label: str, batch_size: int, prompt_tokens: int, max_new_tokens: int,
+                 show: bool = True, decode_bar: Optional[str] = "token", inner=None):
+        if decode_bar not in ("token", "forward pass", None):
+            raise ValueError(f"decode_bar must be 'token', 'forward pass' or None, got {decode_bar!r}")
+        self.label, self.batch_size, self.prompt_tokens = label, batch_size, prompt_tokens
+        self.max_new_tokens, self.show, self.decode_bar, self.inner = max_new_tokens, show, decode_bar, inner
+        self.layers = _decoder_layers(model) if show else None
+        self.phase = "prefill"
         self.t_start = time.perf_counter()
         self.t_first: Optional[float] = None
         self.t_end: Optional[float] = None
-        self.count = 0
+        self.count = 0  # new tokens per row reported by the streamer
+        self._forwards = 0
+        self._hooks: list = []
+        self._bar = None
         self._prompt_seen = False
-        self.bar = None
-        if show:
-            from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+    # -- context manager: hooks on while the run lasts
+    def __enter__(self):
+        self.t_start = time.perf_counter()
+        if self.show:
+            if self.layers is not None:
+                last = len(self.layers) - 1
+                for i, layer in enumerate(self.layers):
+                    self._hooks.append(layer.register_forward_hook(self._layer_hook(i == last)))
+                self._bar = _bar(f"prefill ({self.label})", len(self.layers), "layer")
+            if not sys.stderr.isatty():
+                _eprint(f"vegas: prefill ({self.label}): {self._rows_tokens()} ...")
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.phase == "prefill":
+            self._end_prefill()
+        self._close_bar()
+        if self.show and exc[0] is None:
+            t = (self.t_end or time.perf_counter()) - (self.t_first or self.t_start)
+            done = f"{self.count} tokens" if self.count else f"{self._forwards} forward passes"
+            per_row = " per row" if self.batch_size > 1 else ""
+            rate = f" ({self.count / t:.2f} tokens/s{per_row})" if self.count and t > 0 else ""
+            _eprint(f"vegas: decoding ({self.label}): {done} in {t:.1f} s{rate}")
+        return False
+
+    def _rows_tokens(self) -> str:
+        rows = f"{self.batch_size} rows x " if self.batch_size > 1 else ""
+        return f"{rows}{self.prompt_tokens:,} tokens"
+
+    def _close_bar(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _end_prefill(self):
+        self.phase = "decoding"
+        self._close_bar()
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        if self.show:
+            _eprint(f"vegas: prefill ({self.label}): {self._rows_tokens()} in {self.t_first - self.t_start:.1f} s")
+            if self.decode_bar == "token":
+                self._bar = _bar(f"decoding ({self.label})", self.max_new_tokens, "token")
+            elif self.decode_bar == "forward pass" and self.layers is not None:
+                self._bar = _bar(f"decoding ({self.label})", None, "forward pass")
+
+    def _layer_hook(self, is_last: bool):
+        def hook(module, inputs, output):
+            if self.phase == "prefill":
+                if self._bar is not None:
+                    self._bar.update(1)
+                if is_last:
+                    self._end_prefill()
+            elif is_last:
+                self._forwards += 1
+                if self.decode_bar == "forward pass" and self._bar is not None:
+                    self._bar.update(1)
+        return hook
+
+    # -- the streamer interface (HF's put / end)
+    @property
+    def streamer(self):
+        return self
 
     def put(self, value):
         if self.inner is not None:
             self.inner.put(value)
-        if not self._prompt_seen:
+        if not self._prompt_seen:  # the first put carries the prompt
             self._prompt_seen = True
             return
-        if self.t_first is None:
-            self.t_first = time.perf_counter()
+        if self.phase == "prefill":
+            self._end_prefill()
         if value.dim() >= 2:
             n = value.shape[-1]
         elif self.batch_size == 1:
@@ -280,36 +422,121 @@ class ProgressStreamer:
         else:
             n = 1
         self.count += n
-        if self.bar is not None:
-            self.bar.update(n)
+        if self.decode_bar == "token" and self._bar is not None:
+            self._bar.update(n)
 
     def end(self):
         if self.inner is not None:
             self.inner.end()
         self.t_end = time.perf_counter()
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-            if not sys.stderr.isatty():  # a file or pipe keeps the erased bar: end its line
-                sys.stderr.write("\n")
-                sys.stderr.flush()
+        self._close_bar()
 
 
-def _run_hf(model, ids, mask, max_new_tokens, eos, pad_id, progress: bool):
-    """Plain greedy decoding with HF ``model.generate``; returns (sequences, wall seconds, streamer)."""
+# ---------------------------------------------------------------------------------------------
+# the comparison with plain greedy decoding
+
+class _ChosenLogits:
+    """HF ``LogitsProcessor`` that records, at each step, the target's logit of the token plain
+    greedy picks (the maximum) and of the token our loop emitted at that step; scores unchanged."""
+
+    def __init__(self, ours: List[List[int]]):
+        self.ours = ours
+        self.steps: List[List[Optional[tuple]]] = []  # [step][row] -> (logit max, logit ours) or None
+
+    def __call__(self, input_ids, scores):
+        step = len(self.steps)
+        row_vals = []
+        mx = scores.max(dim=-1).values
+        for r, toks in enumerate(self.ours):
+            if step < len(toks):
+                row_vals.append((float(mx[r]), float(scores[r, toks[step]])))
+            else:
+                row_vals.append(None)
+        self.steps.append(row_vals)
+        return scores
+
+
+def _ulp(x: float, dtype) -> float:
+    """Unit in the last place of ``x`` in ``dtype`` (float32 / bfloat16 / float16)."""
     import torch
-    from transformers import GenerationConfig
+
+    eps = torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).tiny
+    ax = max(abs(x), tiny)
+    return eps * 2.0 ** math.floor(math.log2(ax))
+
+
+def first_difference(ours: List[List[int]], base: List[List[int]], recorder: Optional[_ChosenLogits],
+                     dtype) -> Optional[Dict[str, Any]]:
+    """Where our greedy tokens first differ from plain greedy decoding's, and why.
+
+    Returns ``None`` when every row is identical, else a dict: ``row``, ``token`` (0-based index
+    among the new tokens), ``ours`` / ``baseline`` (the two token ids), ``logit_ours`` /
+    ``logit_baseline`` (the target's logits of both tokens at that position, from the baseline's
+    own forward, whose prefix both runs share there), ``abs_delta_logit``, ``ulps`` (that gap in
+    units in the last place of ``dtype`` at the larger logit) and ``near_tie`` (``ulps <=``
+    :data:`NEAR_TIE_ULPS`). A row that merely ends earlier (EOS) counts as a difference at its end.
+    """
+    best = None
+    for r, (a, b) in enumerate(zip(ours, base)):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if n is None and len(a) != len(b):
+            n = min(len(a), len(b))
+        if n is not None and (best is None or n < best[1]):
+            best = (r, n)
+    if best is None:
+        return None
+    r, n = best
+    d: Dict[str, Any] = {"row": r, "token": n,
+                         "ours": ours[r][n] if n < len(ours[r]) else None,
+                         "baseline": base[r][n] if n < len(base[r]) else None,
+                         "logit_ours": None, "logit_baseline": None, "abs_delta_logit": None,
+                         "ulps": None, "near_tie": False}
+    vals = recorder.steps[n][r] if recorder is not None and n < len(recorder.steps) else None
+    if vals is not None and d["ours"] is not None:
+        lb, lo = vals
+        gap = abs(lb - lo)
+        ulps = gap / _ulp(max(abs(lb), abs(lo)), dtype)
+        d.update(logit_ours=lo, logit_baseline=lb, abs_delta_logit=gap, ulps=ulps, near_tie=ulps <= NEAR_TIE_ULPS)
+    return d
+
+
+def identical_line(identical: Optional[bool], diff: Optional[Dict[str, Any]], dtype_name: str) -> str:
+    """The ``identical`` line of ``--compare``, stating the lossless contract exactly."""
+    if identical is None:
+        return "n/a (sampling: the output follows the target distribution, not plain greedy's tokens)"
+    if identical:
+        return "yes: every token equals plain greedy decoding"
+    if diff is None:
+        return "NO: tokens differ from plain greedy decoding"
+    where = f"token {diff['token']}" + (f" of row {diff['row']}" if diff["row"] else "")
+    if diff["abs_delta_logit"] is None:
+        return f"NO: differs at {where} (a row ended early)"
+    gap = f"|Δlogit| = {diff['abs_delta_logit']:.4g} = {diff['ulps']:.1f} {dtype_name} ulp"
+    if diff["near_tie"]:
+        contract = ("in float32 greedy output is token-for-token plain greedy; in bfloat16 / float16 "
+                    "it is equal up to ties and rounding of the target's logits")
+        return f"differs at {where} (near-tie, {gap}): {contract}"
+    return f"NO: differs at {where} ({gap}, not a near-tie): a lossless violation, please report it"
+
+
+def _run_hf(model, ids, mask, max_new_tokens, eos, pad_id, progress: Optional[RunProgress], recorder=None):
+    """Plain greedy decoding with HF ``model.generate``; returns (sequences, wall seconds)."""
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
 
     gc = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
                           num_beams=1, eos_token_id=list(eos), pad_token_id=pad_id)  # [] = never stop (None would
     # fall back to the model's generation_config)
-    st = ProgressStreamer(ids.shape[0], max_new_tokens, "HF generate (baseline)", show=progress)
+    kw = {}
+    if recorder is not None:
+        kw["logits_processor"] = LogitsProcessorList([recorder])
     t0 = time.perf_counter()
-    st.t_start = t0
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=st)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                             streamer=progress.streamer if progress is not None else None, **kw)
     _sync(ids.device)
-    return out, time.perf_counter() - t0, st
+    return out, time.perf_counter() - t0
 
 
 def _sync(device):
@@ -369,11 +596,7 @@ def _fmt_stats(stats: Dict[str, Any]) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # vegas generate
 
-def cmd_generate(args) -> int:
-    """Runs ``vegas generate`` with parsed ``args``; returns the exit status."""
-    _validate(args)
-    prompts = _read_prompts(args)  # before the (slow) model load, so a bad file fails fast
-
+def _resolve_device_dtype(args):
     import torch
 
     from . import models
@@ -388,69 +611,67 @@ def cmd_generate(args) -> int:
         raise CLIError(str(e).splitlines()[0]) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda requested but CUDA is not available")
-    progress = not args.no_progress
+    return device, dtype
 
-    if not args.json:
-        if models.needs_conversion(args.model):
-            _eprint(f"first use of {args.model or 'the embedded SmolLM2-135M-Instruct GGUF'}: converting it once "
-                    f"(~20 s), cached in {models.cache_root()} ...")
+
+@contextlib.contextmanager
+def _quiet_conversion_bar():
+    """transformers' GGUF conversion bar (its own tqdm, ~300 ``\\r`` updates) off when stderr is
+    not a terminal; the load's start and end lines say what happens."""
     try:
-        model, tok = models.load_model(args.model, dtype=dtype, device=device)
+        if sys.stderr.isatty():
+            raise ImportError
+        from tqdm.auto import tqdm
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        old = gguf_utils.tqdm
+    except (ImportError, AttributeError):
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = old
+
+
+def _load(args, dtype, device, show: bool):
+    from . import models
+
+    name = args.model or "the embedded SmolLM2-135M-Instruct"
+    if show:
+        first = (f"; first use: converting the GGUF file once (~0.5-2 min), cached in {models.cache_root()}"
+                 if models.needs_conversion(args.model) else "")
+        _eprint(f"vegas: loading {name}{first} ...")
+    try:
+        with _quiet_conversion_bar():
+            model, tok = models.load_model(args.model, dtype=dtype, device=device)
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     info = models.last_load_info
-    if not args.json:
-        _eprint(f"loaded {args.model or 'embedded SmolLM2-135M-Instruct'} in {info.get('seconds', 0):.1f}s ({info.get('how')}); "
-                f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
-                f"{dtype}, {device}")
+    if show:
+        _eprint(f"vegas: loaded in {info.get('seconds', 0):.1f} s ({info.get('how')}): "
+                f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.3g}M params, "
+                f"{str(dtype).replace('torch.', '')}, {device}")
+    return model, tok
 
-    rows = _encode(tok, prompts, args.chat)
+
+def _fit_positions(model, rows, max_new: int, show: bool) -> int:
     max_pos = getattr(model.config, "max_position_embeddings", None)
     longest = max(len(r) for r in rows)
-    max_new = args.max_new_tokens
     if max_pos is not None:
         if longest >= max_pos:
             raise CLIError(f"prompt has {longest} tokens but the model has only {max_pos} positions "
                            f"(room for at most {max_pos - 1} prompt tokens)")
         if longest + max_new > max_pos:
             max_new = max_pos - longest
-            if not args.json:
-                _eprint(f"note: --max-new-tokens lowered to {max_new} to fit the model's {max_pos} positions")
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    ids, mask = _left_pad(rows, pad_id, device)
-    eos = [] if args.ignore_eos else _eos_ids(model, tok)
-    B = len(rows)
-    if not args.json:
-        _eprint(f"prompt: {B} row(s), {', '.join(str(len(r)) for r in rows[:8])}{' ...' if B > 8 else ''} tokens; "
-                f"generating up to {max_new} new tokens with {args.algorithm}, gamma={args.num_speculative_tokens}, "
-                f"ratio={args.ratio}, block={args.block_size}")
+            if show:
+                _eprint(f"vegas: note: --max-new-tokens lowered to {max_new} to fit the model's {max_pos} positions")
+    return max_new
 
-    try:
-        from .decode import generate
-    except ImportError as e:
-        raise CLIError(f"the decode loop is not available: {e}") from None
 
-    generator = None
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-
-    # The decode loop streams batch size 1 only: stream the text (human mode) or show a progress
-    # bar (--json); larger batches print a line when done.
-    stream_text = progress and not args.json and B == 1
-    streamer = None
-    if B == 1:
-        inner = None
-        if stream_text:
-            from transformers import TextStreamer
-
-            inner = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-        streamer = ProgressStreamer(B, max_new, f"vegas {args.algorithm}", inner=inner,
-                                    show=progress and not stream_text)
-    elif progress and not args.json:
-        _eprint(f"running vegas {args.algorithm} on {B} rows ...")
-
-    kwargs = dict(
+def _generate_kwargs(args, max_new, eos, pad_id, generator) -> Dict[str, Any]:
+    return dict(
         max_new_tokens=max_new,
         num_speculative_tokens=args.num_speculative_tokens,
         sparse_attn_algorithm=args.algorithm,
@@ -468,26 +689,124 @@ def cmd_generate(args) -> int:
         top_p=args.top_p,
         eos_token_id=eos,  # [] = never stop at EOS
         pad_token_id=pad_id,
-        streamer=streamer,
         generator=generator,
     )
+
+
+def _compare(model, ids, mask, rows, ours, stats, wall, max_new, eos, pad_id, dtype, args, show) -> Dict[str, Any]:
+    """Runs HF's plain greedy ``generate`` on the same prompt; returns the comparison fields."""
+    B = len(rows)
+    recorder = None if args.do_sample else _ChosenLogits(ours)
+    prog = RunProgress(model, "HF generate", B, max(len(r) for r in rows), max_new, show=show)
+    with prog:
+        hf_out, hf_wall = _run_hf(model, ids, mask, max_new, eos, pad_id, prog, recorder)
+    base = new_tokens(hf_out, ids.shape[1], eos, max_new)
+    n_ours, n_base = sum(len(r) for r in ours), sum(len(r) for r in base)
+    base_tps = n_base / hf_wall if hf_wall > 0 else None
+    # Decode-only rates leave out prefill (the same work for both): HF's from its streamer
+    # (time of the first new token), ours from stats["time_prefill_s"].
+    hf_dec = (prog.t_end or 0) - (prog.t_first or 0) if prog.t_first else None
+    our_pre = stats.get("time_prefill_s")
+    our_dec = wall - our_pre if isinstance(our_pre, (int, float)) else None
+    dec_speedup = None
+    if hf_dec and our_dec and n_base > B and n_ours > B:
+        dec_speedup = ((n_ours - B) / our_dec) / ((n_base - B) / hf_dec)
+    identical = (ours == base) if not args.do_sample else None
+    diff = first_difference(ours, base, recorder, dtype) if identical is False else None
+    return dict(
+        baseline_tokens_per_s=base_tps,
+        baseline_time_s=hf_wall,
+        baseline_token_ids=base,
+        speedup=(stats["wall_tokens_per_s"] / base_tps) if base_tps and stats["wall_tokens_per_s"] else None,
+        decode_speedup=dec_speedup,
+        identical=identical,
+        first_difference=diff,
+    )
+
+
+def _print_human(result, stats, wall, n_ours, algorithm, dtype_name, printed_text: bool) -> None:
+    B = len(result["text"])
+    if not printed_text:
+        for i, t in enumerate(result["text"]):
+            if B > 1:
+                print(f"=== row {i} ===")
+            print(t)
+        sys.stdout.flush()
+    _eprint(f"--- {algorithm} stats ---")
+    for line in _fmt_stats(stats):
+        _eprint(line)
+    _eprint(f"wall                 {wall:.2f}s for {n_ours} tokens = {stats['wall_tokens_per_s']:.2f} tok/s (incl. prefill)")
+    if "identical" in result:
+        _eprint("--- comparison with plain greedy decoding (HF model.generate) ---")
+        _eprint(f"HF generate          {result['baseline_time_s']:.2f}s for {sum(len(r) for r in result['baseline_token_ids'])} "
+                f"tokens = {result['baseline_tokens_per_s']:.2f} tok/s (incl. prefill)")
+        sp = result["speedup"]
+        _eprint(f"speedup              {sp:.2f}x end to end" + (
+            f", {result['decode_speedup']:.2f}x decode only (prefill excluded)" if result["decode_speedup"] else ""))
+        _eprint("identical            " + identical_line(result["identical"], result.get("first_difference"), dtype_name))
+
+
+def cmd_generate(args) -> int:
+    """Runs ``vegas generate`` with parsed ``args``; returns the exit status."""
+    _validate(args)
+    prompts = _read_prompts(args)  # before the (slow) imports and model load, so a bad file fails fast
+    show = not args.no_progress
+    if show:
+        _eprint("vegas: starting (importing torch and transformers) ...")
+
+    import torch
+
+    from . import generate  # the decode loop, with every selection algorithm registered
+    from .decode import SELECTION_ALGORITHMS
+
+    _quiet_transformers()
+    device, dtype = _resolve_device_dtype(args)
+    if args.block_size is None:  # the algorithm's own default (vegas: 1, others: 16)
+        args.block_size = SELECTION_ALGORITHMS[args.algorithm].default_block_size
+    model, tok = _load(args, dtype, device, show)
+
+    rows = _encode(tok, prompts, args.chat)
+    max_new = _fit_positions(model, rows, args.max_new_tokens, show)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    ids, mask = _left_pad(rows, pad_id, device)
+    eos = [] if args.ignore_eos else _eos_ids(model, tok)
+    B = len(rows)
+    dtype_name = str(dtype).replace("torch.", "")
+    if show:
+        _eprint(f"vegas: prompt: {B} row{'s' if B > 1 else ''} of {', '.join(f'{len(r):,}' for r in rows[:8])}{' ...' if B > 8 else ''} "
+                f"tokens{' (chat template)' if args.chat else ''}; up to {max_new} new tokens per row with "
+                f"{args.algorithm}, gamma {args.num_speculative_tokens}, ratio {args.ratio}, block {args.block_size}")
+
+    generator = None
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    kwargs = _generate_kwargs(args, max_new, eos, pad_id, generator)
+
     if args.compare:  # warm both paths up (first-call allocations, lazy inits) on a short prompt
         w_ids, w_mask = ids[:, -min(16, ids.shape[1]):], mask[:, -min(16, ids.shape[1]):]
         with torch.inference_mode():
-            generate(model, w_ids, w_mask, **{**kwargs, "max_new_tokens": 2, "streamer": None})
-            _run_hf(model, w_ids, w_mask, 2, eos, pad_id, progress=False)
+            generate(model, w_ids, w_mask, **{**kwargs, "max_new_tokens": 2})
+            _run_hf(model, w_ids, w_mask, 2, eos, pad_id, None)
 
+    # The decode loop streams batch size 1 only. Text streams to stdout when it is a terminal
+    # (then the text is the decoding progress); otherwise a token bar / progress lines on stderr.
+    stream_text = show and not args.json and B == 1 and sys.stdout.isatty()
+    inner = None
+    if stream_text:
+        from transformers import TextStreamer
+
+        inner = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    prog = RunProgress(model, args.algorithm, B, max(len(r) for r in rows), max_new, show=show,
+                       decode_bar=None if stream_text else ("token" if B == 1 else "forward pass"), inner=inner)
     t0 = time.perf_counter()
     try:
-        with torch.inference_mode():
-            out = generate(model, ids, mask, **kwargs)
+        with prog, torch.inference_mode():
+            out = generate(model, ids, mask, streamer=prog.streamer if B == 1 else None, **kwargs)
     except ValueError as e:  # e.g. an unsupported model / config refused by the decode loop
         raise CLIError(str(e).splitlines()[0]) from None
     _sync(device)
-    wall = time.perf_counter() - t0
-    if stream_text:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    wall = time.perf_counter() - t0  # (a streamed text already ended with its newline: TextStreamer.end)
     stats = dict(getattr(out, "stats", {}) or {})
     ours = new_tokens(out.sequences, ids.shape[1], eos, max_new)
     n_ours = sum(len(r) for r in ours)
@@ -500,63 +819,22 @@ def cmd_generate(args) -> int:
         "num_speculative_tokens": args.num_speculative_tokens,
         "sparse_attn_ratio": args.ratio,
         "block_size": args.block_size,
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": dtype_name,
         "device": str(device),
-        "prompt_token_ids": rows,
-        "token_ids": ours,
+        "prompt_lengths": [len(r) for r in rows],
         "text": [tok.decode(r, skip_special_tokens=True) for r in ours],
+        "token_ids": ours,
         "stats": _jsonable(stats),
     }
-
+    if args.json_prompt_ids:
+        result["prompt_token_ids"] = rows
     if args.compare:
-        hf_out, hf_wall, hf_st = _run_hf(model, ids, mask, max_new, eos, pad_id, progress)
-        base = new_tokens(hf_out, ids.shape[1], eos, max_new)
-        n_base = sum(len(r) for r in base)
-        base_tps = n_base / hf_wall if hf_wall > 0 else None
-        # Decode-only rates leave out prefill (the same work for both): HF's from its streamer
-        # (time of the first new token), ours from stats["time_prefill_s"].
-        hf_dec = (hf_st.t_end or 0) - (hf_st.t_first or 0) if hf_st.t_first else None
-        our_pre = stats.get("time_prefill_s")
-        our_dec = wall - our_pre if isinstance(our_pre, (int, float)) else None
-        dec_speedup = None
-        if hf_dec and our_dec and n_base > B and n_ours > B:
-            dec_speedup = ((n_ours - B) / our_dec) / ((n_base - B) / hf_dec)
-        identical = (ours == base) if not args.do_sample else None
-        result.update(
-            baseline_tokens_per_s=base_tps,
-            baseline_time_s=hf_wall,
-            baseline_token_ids=base,
-            speedup=(stats["wall_tokens_per_s"] / base_tps) if base_tps and stats["wall_tokens_per_s"] else None,
-            decode_speedup=dec_speedup,
-            identical=identical,
-        )
+        result.update(_compare(model, ids, mask, rows, ours, stats, wall, max_new, eos, pad_id, dtype, args, show))
 
     if args.json:
         print(json.dumps(_jsonable(result), default=str))
-        return 0
-
-    if not stream_text:
-        for i, t in enumerate(result["text"]):
-            if B > 1:
-                print(f"=== row {i} ===")
-            print(t)
-        sys.stdout.flush()
-    _eprint(f"--- {args.algorithm} stats ---")
-    for line in _fmt_stats(stats):
-        _eprint(line)
-    _eprint(f"wall                 {wall:.2f}s for {n_ours} tokens = {stats['wall_tokens_per_s']:.2f} tok/s (incl. prefill)")
-    if args.compare:
-        _eprint("--- comparison with plain greedy decoding (HF model.generate) ---")
-        _eprint(f"HF generate          {result['baseline_time_s']:.2f}s for {sum(len(r) for r in result['baseline_token_ids'])} "
-                f"tokens = {result['baseline_tokens_per_s']:.2f} tok/s (incl. prefill)")
-        sp = result["speedup"]
-        _eprint(f"speedup              {sp:.2f}x end to end" + (
-            f", {result['decode_speedup']:.2f}x decode only (prefill excluded)" if result["decode_speedup"] else ""))
-        if result["identical"] is None:
-            _eprint("identical            n/a (sampling)")
-        else:
-            _eprint("identical            " + ("yes: every token equals plain greedy decoding" if result["identical"]
-                                             else "NO: tokens differ from plain greedy decoding"))
+    else:
+        _print_human(result, stats, wall, n_ours, args.algorithm, dtype_name, printed_text=stream_text)
     return 0
 
 
@@ -570,13 +848,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()  # weight-loading bars; ours are tqdm on stderr
-    except ImportError:
-        pass
-    try:
         return args.func(args)
     except CLIError as e:
         _eprint(f"vegas: error: {e}")
@@ -584,6 +855,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         _eprint("vegas: interrupted")
         return 130
+
+
+def _quiet_transformers() -> None:
+    """transformers' own warnings and weight-loading bars off (ours are on stderr)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 if __name__ == "__main__":

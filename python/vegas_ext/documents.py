@@ -7,7 +7,8 @@
   running Python version).
 
 The default prompt of ``vegas generate`` is :func:`default_prompt`: the first five chapters of
-*Pride and Prejudice* (~7.1K SmolLM2 tokens) followed by an instruction to summarize them.
+*Pride and Prejudice* (7,128 SmolLM2 tokens; 7,182 with the instruction and the chat template)
+followed by an instruction to summarize them.
 See ``data/README.md`` for sources and licenses.
 """
 from __future__ import annotations
