@@ -481,7 +481,7 @@ def _draft_fake(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_
 
 
 # ---------------------------------------------------------------------------
-# Quest selection ops (the rival algorithm of issue "rival selection algorithms")
+# Quest selection ops (the "quest" rival selection algorithm, vegas_ext.selection)
 # ---------------------------------------------------------------------------
 def block_minmax_update(
     key_min: Tensor, key_max: Tensor, k_cache: Tensor, seq_lens: Tensor, start: Tensor, block_size: int
