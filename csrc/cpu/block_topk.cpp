@@ -3,6 +3,10 @@
 // [0, min(num_candidates[b], N)); c = min(k[b], max_k, eligible) in all. Order: higher
 // score first, NaN below every number (-inf included), ties to the lower index -- a total
 // order, so every device and run picks the same set. Output ascending, -1 padded.
+// Selection: a radix select on order-preserving integer keys of the float bits (digits
+// of 11, 11 and 10 bits, each pass over the candidates left in the threshold's bucket),
+// then one ascending scan that keeps every key above the threshold and the lowest-index
+// ties at it -- O(N) per row, no sort.
 // Source: Vegas, arXiv 2602.07223 (top-k of verification block scores).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,14 +14,86 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "checks.h"
-#include "cpu/isa.h"
+#include "cpu/parallel.h"
 
 namespace vegas {
 namespace cpu {
 namespace {
+
+// Order-preserving key: a > b as scores (NaN below every number, -0 == +0) iff key(a) >
+// key(b). NaN maps to 0, below -inf's key.
+inline uint32_t score_key(float x) {
+  if (std::isnan(x)) return 0u;
+  if (x == 0.f) x = 0.f;  // -0 ties with +0
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Writes to o, ascending, the `rest` highest-ranked of blocks [j0, j1) of row s (higher
+// key first, ties to the lower index); 0 < rest <= j1 - j0. keys / cand: scratch.
+void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vector<uint32_t>& keys,
+                std::vector<int32_t>& cand, int32_t* o) {
+  const int64_t n = j1 - j0;
+  if (rest == n) {
+    for (int64_t j = 0; j < n; ++j) o[j] = static_cast<int32_t>(j0 + j);
+    return;
+  }
+  keys.resize(n);
+  for (int64_t j = 0; j < n; ++j) keys[j] = score_key(s[j0 + j]);
+  // Radix select of the threshold key T: count(key > T) < rest <= count(key >= T).
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr int kBits[3] = {11, 11, 10};
+  uint32_t prefix = 0, pmask = 0;  // high bits of T fixed so far
+  int64_t need = rest;             // how many of the keys matching the prefix to take
+  bool compact = false;            // cand holds the indices matching the prefix
+  uint32_t hist[2048];
+  for (int pass = 0; pass < 3; ++pass) {
+    const int sh = kShift[pass];
+    const uint32_t nb = 1u << kBits[pass], dm = nb - 1;
+    std::fill(hist, hist + nb, 0u);
+    if (!compact) {
+      for (int64_t j = 0; j < n; ++j)
+        if ((keys[j] & pmask) == prefix) ++hist[(keys[j] >> sh) & dm];
+    } else {
+      for (int32_t j : cand) ++hist[(keys[j] >> sh) & dm];
+    }
+    uint32_t dgt = nb - 1;
+    for (;; --dgt) {  // the top `need` lie in buckets >= dgt
+      if (hist[dgt] >= need) break;
+      need -= hist[dgt];
+    }
+    prefix |= dgt << sh;
+    pmask |= dm << sh;
+    if (pass < 2) {  // keep the bucket's members for the next pass
+      std::vector<int32_t> next;
+      next.reserve(hist[dgt]);
+      if (!compact) {
+        for (int64_t j = 0; j < n; ++j)
+          if ((keys[j] & pmask) == prefix) next.push_back(static_cast<int32_t>(j));
+      } else {
+        for (int32_t j : cand)
+          if ((keys[j] & pmask) == prefix) next.push_back(j);
+      }
+      cand.swap(next);
+      compact = true;
+    }
+  }
+  // prefix == T; take every key above it and the `need` lowest-index keys equal to it
+  int64_t w = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t kj = keys[j];
+    if (kj > prefix || (kj == prefix && need > 0)) {
+      if (kj == prefix) --need;
+      o[w++] = static_cast<int32_t>(j0 + j);
+    }
+  }
+}
 
 at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
                           const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks) {
@@ -35,30 +111,16 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
   const float* sp = scores.data_ptr<float>();
   int32_t* op_ = out.data_ptr<int32_t>();
   at::parallel_for(0, B * H, parallel_grain(B * H, N, /*min_work=*/int64_t(1) << 18), [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> keys;
     std::vector<int32_t> cand;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / H;
-      const float* s = sp + row * N;
       int32_t* o = op_ + row * max_k;
       const int64_t elig = std::min<int64_t>(nc[b], N);
       const int64_t c = std::min<int64_t>({int64_t(kk[b]), max_k, elig});
       const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
       for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
-      const int64_t rest = c - sinks;
-      if (rest <= 0) continue;
-      cand.resize(elig - sinks);
-      for (int64_t j = sinks; j < elig; ++j) cand[j - sinks] = static_cast<int32_t>(j);
-      auto better = [s](int32_t a, int32_t b2) {
-        const float x = s[a], y = s[b2];
-        const bool nx = std::isnan(x), ny = std::isnan(y);
-        if (nx != ny) return ny;  // the number outranks NaN
-        if (!nx && x != y) return x > y;
-        return a < b2;
-      };
-      if (rest < static_cast<int64_t>(cand.size()))
-        std::nth_element(cand.begin(), cand.begin() + rest, cand.end(), better);
-      std::sort(cand.begin(), cand.begin() + rest);
-      std::copy(cand.begin(), cand.begin() + rest, o + sinks);
+      if (c > sinks) select_top(sp + row * N, sinks, elig, c - sinks, keys, cand, o + sinks);
     }
   });
   return out;
