@@ -322,7 +322,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       // rescaled first. The task starts on a block boundary.
       const int64_t bs = blk->block_size;
       int64_t off = tok[0] % bs;
-      float* bsum = blk->bsum + (tok[0] / bs - blk->block0) * Rp;
+      float* bsum = blk->bsum + (tok[0] / bs - blk->block0) * R;
       if (off != 0)
         for (int rv = 0; rv < NVall; ++rv)
           st(bsum + rv * VW, ld(bsum + rv * VW) * ld(ws.alpha + rv * VW));
@@ -334,7 +334,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
           for (int rv = 0; rv < NVall; ++rv) st(bsum + rv * VW, ld(bsum + rv * VW) + ld(p + rv * VW));
         if (++off == bs) {
           off = 0;
-          bsum += Rp;
+          bsum += R;
         }
       }
     }
@@ -381,21 +381,24 @@ static inline vf hsum_many(const vf* a) {
 #endif
 }
 
-// Block scores of one task's blocks: out[j] = sum_r f[r] * bsum[j * Rp + r] for j < nblk,
-// where a zero sum contributes zero even when f is not finite (a poisoned row's NaN reaches
-// only the blocks it has mass in). f has Rp lanes (zero in padded lanes).
-inline void block_reduce(const float* bsum, int Rp, const float* f, int64_t nblk, float* out) {
-  const int NV = Rp / VW;
+// Block scores of one task's blocks: out[j] = sum_{r < R} f[r] * bsum[j * R + r] for
+// j < nblk, where a zero sum contributes zero even when f is not finite (a poisoned row's
+// NaN reaches only the blocks it has mass in). f has row_pad(R) lanes.
+inline void block_reduce(const float* bsum, int R, const float* f, int64_t nblk, float* out) {
+  const int NV = row_pad(R) / VW;
+  vi lane;
+  for (int i = 0; i < VW; ++i) lane[i] = i;
   vf a[VW];
   for (int64_t j0 = 0; j0 < nblk; j0 += VW) {
     const int nj = static_cast<int>(std::min<int64_t>(VW, nblk - j0));
     for (int c = 0; c < VW; ++c) {
       a[c] = vf{};
       if (c >= nj) continue;
-      const float* b = bsum + (j0 + c) * Rp;
+      const float* b = bsum + (j0 + c) * R;
       for (int rv = 0; rv < NV; ++rv) {
-        const vf x = ld(b + rv * VW);
-        a[c] += x != vf{} ? x * ld(f + rv * VW) : vf{};
+        const vf x = ld(b + rv * VW);  // lanes >= R belong to the next block: masked
+        const vi keep = (x != vf{}) & (lane < R - rv * VW);
+        a[c] += keep ? x * ld(f + rv * VW) : vf{};
       }
     }
     const vf sums = hsum_many(a);

@@ -45,23 +45,38 @@ void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vecto
     return;
   }
   keys.resize(n);
-  for (int64_t j = 0; j < n; ++j) keys[j] = score_key(s[j0 + j]);
+  cand.resize(n);
   // Radix select of the threshold key T: count(key > T) < rest <= count(key >= T).
+  // Pass 0 (top 11 bits) histograms all keys, 4 interleaved histograms so that runs of
+  // equal digits do not serialize on one counter; passes 1-2 (11 and 10 bits) only the
+  // candidates left in the chosen bucket, compacted without branches.
   constexpr int kShift[3] = {21, 10, 0};
   constexpr int kBits[3] = {11, 11, 10};
+  uint32_t hist4[4][2048];
+  uint32_t* hist = hist4[0];
   uint32_t prefix = 0, pmask = 0;  // high bits of T fixed so far
   int64_t need = rest;             // how many of the keys matching the prefix to take
-  bool compact = false;            // cand holds the indices matching the prefix
-  uint32_t hist[2048];
+  int64_t m = n;                   // candidates matching the prefix (after pass 0: in cand)
   for (int pass = 0; pass < 3; ++pass) {
     const int sh = kShift[pass];
     const uint32_t nb = 1u << kBits[pass], dm = nb - 1;
-    std::fill(hist, hist + nb, 0u);
-    if (!compact) {
-      for (int64_t j = 0; j < n; ++j)
-        if ((keys[j] & pmask) == prefix) ++hist[(keys[j] >> sh) & dm];
+    if (pass == 0) {
+      std::memset(hist4, 0, sizeof hist4);
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4)
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t kj = score_key(s[j0 + j + u]);
+          keys[j + u] = kj;
+          ++hist4[u][kj >> sh];
+        }
+      for (; j < n; ++j) {
+        keys[j] = score_key(s[j0 + j]);
+        ++hist4[0][keys[j] >> sh];
+      }
+      for (uint32_t x = 0; x < nb; ++x) hist[x] = hist4[0][x] + hist4[1][x] + hist4[2][x] + hist4[3][x];
     } else {
-      for (int32_t j : cand) ++hist[(keys[j] >> sh) & dm];
+      std::fill(hist, hist + nb, 0u);
+      for (int64_t i = 0; i < m; ++i) ++hist[(keys[cand[i]] >> sh) & dm];
     }
     uint32_t dgt = nb - 1;
     for (;; --dgt) {  // the top `need` lie in buckets >= dgt
@@ -70,28 +85,37 @@ void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vecto
     }
     prefix |= dgt << sh;
     pmask |= dm << sh;
-    if (pass < 2) {  // keep the bucket's members for the next pass
-      std::vector<int32_t> next;
-      next.reserve(hist[dgt]);
-      if (!compact) {
-        for (int64_t j = 0; j < n; ++j)
-          if ((keys[j] & pmask) == prefix) next.push_back(static_cast<int32_t>(j));
-      } else {
-        for (int32_t j : cand)
-          if ((keys[j] & pmask) == prefix) next.push_back(j);
+    if (pass == 0) {
+      int64_t w = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        cand[w] = static_cast<int32_t>(j);
+        w += (keys[j] & pmask) == prefix;
       }
-      cand.swap(next);
-      compact = true;
+      m = w;
+    } else if (pass == 1) {
+      int64_t w = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        const int32_t j = cand[i];
+        cand[w] = j;
+        w += (keys[j] & pmask) == prefix;
+      }
+      m = w;
     }
   }
-  // prefix == T; take every key above it and the `need` lowest-index keys equal to it
-  int64_t w = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t kj = keys[j];
-    if (kj > prefix || (kj == prefix && need > 0)) {
-      if (kj == prefix) --need;
-      o[w++] = static_cast<int32_t>(j0 + j);
+  // prefix == T: take every key above it and the `need` lowest-index keys equal to it, i.e.
+  // the ties at indices <= cut (cand holds, ascending, every index whose key shares T's top
+  // 21 bits, so every tie).
+  int64_t cut = -1;
+  for (int64_t i = 0, seen = 0; i < m && seen < need; ++i)
+    if (keys[cand[i]] == prefix) {
+      cut = cand[i];
+      ++seen;
     }
+  int64_t w = 0;
+  for (int64_t j = 0; j < n && w < rest; ++j) {
+    const uint32_t kj = keys[j];
+    o[w] = static_cast<int32_t>(j0 + j);
+    w += (kj > prefix) | ((kj == prefix) & (j <= cut));
   }
 }
 

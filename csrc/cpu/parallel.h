@@ -2,7 +2,10 @@
 // thread); no vector code, so kernels that need only this do not build the main loop.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace vegas {
@@ -30,6 +33,27 @@ inline int64_t choose_num_splits(int64_t tasks, int64_t max_tokens, int64_t thre
 // about 0.1 ms of attention work).
 inline int64_t parallel_grain(int64_t tasks, int64_t work, int64_t min_work = int64_t(1) << 16) {
   return tasks * work < min_work ? std::max<int64_t>(tasks, 1) : 1;
+}
+
+// Runs fn(state, task) for task in [0, ntasks): on the calling thread alone when the
+// total work (ntasks * work_per_task row-tokens) is below parallel_grain's threshold, else
+// on every intra-op thread pulling tasks from one counter, so a thread the OS deschedules
+// on a busy machine holds up only the task it is in (the others take the rest). make()
+// builds one thread's scratch state.
+template <typename Make, typename Fn>
+void parallel_tasks(int64_t ntasks, int64_t work_per_task, Make make, Fn fn) {
+  if (ntasks <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), ntasks);
+  if (threads <= 1 || parallel_grain(ntasks, work_per_task) > 1) {
+    auto st = make();
+    for (int64_t t = 0; t < ntasks; ++t) fn(st, t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto st = make();
+    for (int64_t t = next.fetch_add(1); t < ntasks; t = next.fetch_add(1)) fn(st, t);
+  });
 }
 
 }  // namespace cpu

@@ -59,37 +59,24 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
 
-  at::parallel_for(0, B * Hkv * nsplit, parallel_grain(B * Hkv * nsplit, R * split_len),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * D), qt(D * Rp);
-    std::vector<int32_t> pos(Rp, -1);
-    std::vector<float> scratch(Scratch::floats(R, D), 0.f);
-    std::vector<int> nv(R);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t sp = task % nsplit, bg = task / nsplit;
-      const int64_t b = bg / Hkv, g = bg % Hkv;
-      const auto& lst = lists[bg];
-      const int64_t i0 = sp * split_len;
-      const int64_t i1 = std::min<int64_t>(lst.size(), i0 + split_len);
-      if (i0 >= i1) continue;
-      const int64_t L = lens[b];
-      for (int64_t i = 0; i < Q; ++i)
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const int64_t r = i * G + hh;
-          const T* src = qp + ((b * Q + i) * d.Hq + g * G + hh) * D;
-          for (int64_t e = 0; e < D; ++e) qf[r * D + e] = static_cast<float>(src[e]) * float(scale);
-          pos[r] = static_cast<int32_t>(L - Q + i);
-        }
-      VEGAS_ISA_CALL(pack_queries, qf.data(), R, static_cast<int>(D), qt.data());
-      const int64_t base = (bg * nsplit + sp) * Rp;
-      Rows rows{R, static_cast<int>(D), qt.data(), pos.data()};
-      float* sc = scratch.data();
-      Scratch ws{sc, sc + D * kTile, sc + 2 * D * kTile, sc + 2 * D * kTile + (kTile + 8) * Rp, nv.data()};
-      VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt,
-                     lst.data() + i0, 0, i1 - i0, ws, m_all.data() + base,
-                     l_all.data() + base, acc_all.data() + base * D, nullptr);
-    }
-  });
+  parallel_tasks(
+      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+      [&](TaskBuffers& tb, int64_t task) {
+        const int64_t sp = task % nsplit, bg = task / nsplit;
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        const auto& lst = lists[bg];
+        const int64_t i0 = sp * split_len;
+        const int64_t i1 = std::min<int64_t>(lst.size(), i0 + split_len);
+        if (i0 >= i1) return;
+        tb.load_queries(qp, b, g, Q, G, d.Hq, float(scale), lens[b]);
+        VEGAS_ISA_CALL(pack_queries, tb.qf.data(), R, static_cast<int>(D), tb.qt.data());
+        const int64_t base = task * Rp;
+        const Rows rows = tb.rows();
+        const Scratch ws = tb.ws();
+        VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt,
+                       lst.data() + i0, 0, i1 - i0, ws, m_all.data() + base, l_all.data() + base,
+                       acc_all.data() + base * D, nullptr);
+      });
 
   at::Tensor out32 = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   float* outf = out32.data_ptr<float>();

@@ -56,57 +56,44 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), kt = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vt = v_cache.stride(2);
 
-  // per (b, g, split): m [Rp], l [Rp], acc [Rp, D], mt [ntiles, Rp]; per (b, g): bsum [N, Rp].
-  // Every entry that phase 2 reads is written by phase 1 (m / l of empty splits here).
+  // per (b, g, split): m [Rp], l [Rp], acc [Rp, D], mt [ntiles, Rp], bsum [split blocks, R]
+  // (+ Rp - R). Every entry that phase 2 reads is written by phase 1 (m / l of empty splits here).
   thread_local std::vector<float> m_buf, l_buf, acc_buf, mt_buf, bsum_buf;
   const int64_t nstate = B * Hkv * nsplit * Rp;
+  const int64_t bsum_stride = split_len / bs * R + Rp;  // per split
   float* m_all = reuse_buffer(m_buf, nstate);
   float* l_all = reuse_buffer(l_buf, nstate);
   float* acc_all = reuse_buffer(acc_buf, nstate * D);
   float* mt_all = reuse_buffer(mt_buf, nstate * ntiles);
-  float* bsum_all = reuse_buffer(bsum_buf, B * Hkv * N * Rp);
+  float* bsum_all = reuse_buffer(bsum_buf, B * Hkv * nsplit * bsum_stride);
   std::fill(m_all, m_all + nstate, kNegInf);
   std::fill(l_all, l_all + nstate, 0.f);
 
-  const int64_t grain = parallel_grain(B * Hkv * nsplit, R * split_len);
-  at::parallel_for(0, B * Hkv * nsplit, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * D), qt(D * Rp);
-    std::vector<int32_t> pos(Rp, -1);
-    std::vector<float> scratch(Scratch::floats(R, D), 0.f);
-    std::vector<int> nv(R);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t sp = task % nsplit;
-      const int64_t bg = task / nsplit;
-      const int64_t b = bg / Hkv, g = bg % Hkv;
-      const int64_t L = lens[b];
-      const int64_t t0 = sp * split_len;
-      const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
-      if (t0 >= t1) continue;
-      for (int64_t i = 0; i < Q; ++i)
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const int64_t r = i * G + hh;
-          const T* src = qp + ((b * Q + i) * d.Hq + g * G + hh) * D;
-          for (int64_t e = 0; e < D; ++e) qf[r * D + e] = static_cast<float>(src[e]) * float(scale);
-          pos[r] = static_cast<int32_t>(L - Q + i);
-        }
-      VEGAS_ISA_CALL(pack_queries, qf.data(), R, static_cast<int>(D), qt.data());
-      const int64_t base = (bg * nsplit + sp) * Rp;
-      float* acc = acc_all + base * D;
-      std::fill(acc, acc + R * D, 0.f);
-      BlockSums blk;
-      blk.bsum = bsum_all + (bg * N + t0 / bs) * Rp;
-      blk.block0 = t0 / bs;
-      blk.block_size = bs;
-      blk.mt = mt_all + base * ntiles;
-      Rows rows{R, static_cast<int>(D), qt.data(), pos.data()};
-      float* sc = scratch.data();
-      Scratch ws{sc, sc + D * kTile, sc + 2 * D * kTile, sc + 2 * D * kTile + (kTile + 8) * Rp, nv.data()};
-      const T* kbase = kp + b * kb + g * kh;
-      const T* vbase = vp + b * vb + g * vh;
-      VEGAS_ISA_CALL(attend<T>, rows, kbase, vbase, kt, vt, nullptr, t0, t1 - t0, ws, m_all + base,
-                     l_all + base, acc, &blk);
-    }
-  });
+  parallel_tasks(
+      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+      [&](TaskBuffers& tb, int64_t task) {
+        const int64_t sp = task % nsplit;
+        const int64_t bg = task / nsplit;
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        const int64_t L = lens[b];
+        const int64_t t0 = sp * split_len;
+        const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
+        if (t0 >= t1) return;
+        tb.load_queries(qp, b, g, Q, G, d.Hq, float(scale), L);
+        VEGAS_ISA_CALL(pack_queries, tb.qf.data(), R, static_cast<int>(D), tb.qt.data());
+        const int64_t base = task * Rp;
+        float* acc = acc_all + base * D;
+        std::fill(acc, acc + R * D, 0.f);
+        BlockSums blk;
+        blk.bsum = bsum_all + task * bsum_stride;
+        blk.block0 = t0 / bs;
+        blk.block_size = bs;
+        blk.mt = mt_all + base * ntiles;
+        const Rows rows = tb.rows();
+        const Scratch ws = tb.ws();
+        VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt, nullptr, t0,
+                       t1 - t0, ws, m_all + base, l_all + base, acc, &blk);
+      });
 
   float* outf = nullptr;
   at::Tensor out32;
@@ -136,9 +123,9 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       // its last token, so its factor w_r * exp(m_tile - lse_r) is one per (row, split, tile),
       // shared by the blocks of the tile.
       float* sc = scp + bg * N;
-      const float* bsum = bsum_all + bg * N * Rp;
       for (int64_t sp = 0; sp * split_len < L; ++sp) {
         const int64_t t0 = sp * split_len;
+        const float* bsum = bsum_all + (bg * nsplit + sp) * bsum_stride - (t0 / bs) * R;  // block j at j * R
         const int64_t t_end = std::min<int64_t>(t0 + split_len, L);  // split's tokens [t0, t_end)
         const float* mt = mt_all + (bg * nsplit + sp) * Rp * ntiles;
         auto last_tile = [&](int64_t j) { return (std::min<int64_t>((j + 1) * bs, t_end) - 1 - t0) / kTile; };
@@ -149,7 +136,7 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           while (j1 > j0 + 1 && last_tile(j1 - 1) != tile) --j1;
           for (int r = 0; r < R; ++r)
             f[r] = (qw ? qw[r / G] : 1.f) * std::exp(mt[tile * Rp + r] - row_lse[r]);
-          VEGAS_ISA_CALL(block_reduce, bsum + j0 * Rp, Rp, f.data(), j1 - j0, sc + j0);
+          VEGAS_ISA_CALL(block_reduce, bsum + j0 * R, R, f.data(), j1 - j0, sc + j0);
           j0 = j1;
         }
       }
