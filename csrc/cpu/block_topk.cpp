@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -134,19 +135,24 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
   if (max_k == 0 || B * H == 0) return out;
   const float* sp = scores.data_ptr<float>();
   int32_t* op_ = out.data_ptr<int32_t>();
-  at::parallel_for(0, B * H, parallel_grain(B * H, N, /*min_work=*/int64_t(1) << 18), [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> keys;
-    std::vector<int32_t> cand;
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / H;
-      int32_t* o = op_ + row * max_k;
-      const int64_t elig = std::min<int64_t>(nc[b], N);
-      const int64_t c = std::min<int64_t>({int64_t(kk[b]), max_k, elig});
-      const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
-      for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
-      if (c > sinks) select_top(sp + row * N, sinks, elig, c - sinks, keys, cand, o + sinks);
-    }
-  });
+  // tasks of kRows rows; one thread below 2^18 scores in all (parallel_grain's 2^16 units
+  // of attention work, a score costing about a quarter of one)
+  constexpr int64_t kRows = 8;
+  const int64_t ntasks = ceil_div(B * H, kRows);
+  const int64_t work = std::max<int64_t>(1, kRows * N / 4);
+  parallel_tasks(
+      ntasks, work, [] { return std::pair<std::vector<uint32_t>, std::vector<int32_t>>(); },
+      [&](std::pair<std::vector<uint32_t>, std::vector<int32_t>>& buf, int64_t task) {
+        for (int64_t row = task * kRows; row < std::min(B * H, (task + 1) * kRows); ++row) {
+          const int64_t b = row / H;
+          int32_t* o = op_ + row * max_k;
+          const int64_t elig = std::min<int64_t>(nc[b], N);
+          const int64_t c = std::min<int64_t>({int64_t(kk[b]), max_k, elig});
+          const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
+          for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
+          if (c > sinks) select_top(sp + row * N, sinks, elig, c - sinks, buf.first, buf.second, o + sinks);
+        }
+      });
   return out;
 }
 
