@@ -1,6 +1,18 @@
-"""CPU microbenchmark of the three vegas kernels.
+"""CPU microbenchmark of the vegas kernels.
 
     python bench/bench_kernels_cpu.py [--seq-lens 2048 8192 32768] [--dtype float32] [--repeats 7]
+    python bench/bench_kernels_cpu.py --grid [--old-tree /path/to/other/checkout] [--repeats 5]
+
+--grid: verify_attention (block scores included) over model shapes (SmolLM2 9/3 heads D 64 at
+batch 1 and 4, Llama-3-8B 32/8 D 128 at batch 1) x S x Q x block size x threads, each row with
+its achieved GFLOP/s (4 * B * Hq * Q * S * D flops: QK and PV, causal cut ignored) and its ratio
+per thread to a square 1024^3 torch.mm on one thread, and, at Q = 1, the K/V bytes read per
+second against a one-thread tensor copy of the same size (bytes read per second), all measured
+in the same run, interleaved, medians of wall-clock times. With --old-tree, a second worker
+process runs the same calls on that checkout's in-place build (two builds cannot share one
+process: both register the same operators), interleaved call by call with ours, so old and
+new see the same machine load. Also block_topk at the vegas default (block size 1: one row
+per (batch, KV head, layer), all layers in one call). Writes <--out>_grid.{jsonl,md}.
 
 Compares, in one process, interleaved, medians of --repeats:
 * verify_attention (Q=7, GQA 4: 32 query / 8 KV heads, D=128) vs
@@ -13,8 +25,13 @@ Compares, in one process, interleaved, medians of --repeats:
 Writes <--out>.{jsonl,md} (default bench/results/tmp/, ignored by git).
 """
 import argparse
+import json
 import math
+import os
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,8 +40,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, run_metadata, time_fns, write_rows  # noqa: E402
 
-import vegas_ext  # noqa: E402,F401
-from vegas_ext import reference  # noqa: E402
+if "--worker" not in sys.argv:
+    import vegas_ext  # noqa: E402,F401
+    from vegas_ext import reference  # noqa: E402
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,8 +56,204 @@ def sdpa_verify(q, k, v, mask, group, enable_gqa):
     return F.scaled_dot_product_attention(qh, kr, vr, attn_mask=mask)
 
 
+GRID_SHAPES = {  # name: (B, Hq, Hkv, D)
+    "smollm2-b1": (1, 9, 3, 64),
+    "smollm2-b4": (4, 9, 3, 64),
+    "llama3-8b-b1": (1, 32, 8, 128),
+}
+
+
+def worker(tree: str):
+    """Serves timing requests (JSON lines on stdin) with the extension of checkout ``tree``."""
+    sys.path.insert(0, str(Path(tree) / "python"))
+    import vegas_ext  # noqa: F401
+
+    state = {}
+    out = sys.stdout
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        req = json.loads(line)
+        torch.set_num_threads(int(req.get("threads", 1)))
+        if req["op"] == "setup":
+            B, Hq, Hkv, D, S = (req[x] for x in ("B", "Hq", "Hkv", "D", "S"))
+            g = torch.Generator().manual_seed(0)
+            state.clear()
+            state["kv"] = (torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g))
+            state["lens"] = torch.full((B,), S, dtype=torch.int32)
+            state["B"], state["Hq"], state["D"] = B, Hq, D
+            res = {"ok": True, "file": vegas_ext.__file__}
+        elif req["op"] == "verify":
+            k, v = state["kv"]
+            q = state.get(("q", req["Q"]))
+            if q is None:
+                q = state[("q", req["Q"])] = torch.randn(state["B"], req["Q"], state["Hq"], state["D"])
+            f = torch.ops.vegas.verify_attention
+            args = (q, k, v, state["lens"], req["bs"], state["D"] ** -0.5, None)
+            t = time.perf_counter()
+            f(*args)
+            res = {"s": time.perf_counter() - t}
+        elif req["op"] == "mm":
+            a = state.setdefault("mm", (torch.randn(1024, 1024), torch.randn(1024, 1024)))
+            t = time.perf_counter()
+            torch.mm(*a)
+            res = {"s": time.perf_counter() - t}
+        elif req["op"] == "copy":
+            n = req["numel"]
+            if state.get("copy_n") != n:
+                state["copy"] = (torch.randn(n), torch.empty(n))
+                state["copy_n"] = n
+            src, dst = state["copy"]
+            t = time.perf_counter()
+            dst.copy_(src)
+            res = {"s": time.perf_counter() - t}
+        elif req["op"] == "topk":
+            R, N, kk = req["rows"], req["N"], req["k"]
+            if state.get("topk_key") != (R, N, kk):
+                g = torch.Generator().manual_seed(1)
+                state["topk"] = (torch.rand(1, R, N, generator=g), torch.full((1,), kk, dtype=torch.int32),
+                                 torch.full((1,), N, dtype=torch.int32))
+                state["topk_key"] = (R, N, kk)
+            sc, kt, nc = state["topk"]
+            t = time.perf_counter()
+            torch.ops.vegas.block_topk(sc, kt, nc, kk, 1)
+            res = {"s": time.perf_counter() - t}
+        else:
+            res = {"error": req["op"]}
+        out.write(json.dumps(res) + "\n")
+        out.flush()
+
+
+class Worker:
+    def __init__(self, tree):
+        self.p = subprocess.Popen([sys.executable, __file__, "--worker", str(tree)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+
+    def __call__(self, **req):
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def grid(args):
+    meta = run_metadata("cpu")
+    trees = {"new": ROOT}
+    if args.old_tree:
+        trees["old"] = Path(args.old_tree)
+    commits = {}
+    for name, tree in trees.items():
+        commits[name] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                                       text=True).stdout.strip()
+    workers = {name: Worker(tree) for name, tree in trees.items()}
+    load0 = os.getloadavg()
+    rows, lines = [], []
+
+    def emit(line=""):
+        lines.append(line)
+        print(line, flush=True)
+
+    def med(fn, n):
+        return statistics.median(fn()["s"] for _ in range(n))
+
+    names = list(trees)
+    emit(f"# verify_attention grid: {meta['device_name']}, torch {meta['torch']}, fp32 cache, "
+         + ", ".join(f"{n} = {commits[n]}" for n in names) + f", load average at start {load0[0]:.1f}")
+    emit("")
+    emit("Ratios: GFLOP/s per thread / one-thread 1024^3 torch.mm GFLOP/s; Q = 1: K/V GB/s / one-thread copy GB/s "
+         "(same run, interleaved, medians of wall-clock times).")
+    emit("")
+    hdr = "| shape | S | Q | bs | thr | sgemm GF/s | " + " | ".join(f"{n} ms | {n} GF/s | {n} ratio" for n in names)
+    hdr += " | copy GB/s | " + " | ".join(f"{n} GB/s | {n} /copy" for n in names) + " |"
+    emit(hdr)
+    emit("|" + "---|" * (hdr.count("|") - 1))
+    for shape in args.shapes:
+        B, Hq, Hkv, D = GRID_SHAPES[shape]
+        for S in args.seq_lens:
+            for w in workers.values():
+                assert w(op="setup", B=B, Hq=Hq, Hkv=Hkv, D=D, S=S)["ok"]
+            kv_bytes = 2 * B * Hkv * S * D * 4
+            for threads in args.threads:
+                for Q in args.queries:
+                    for bs in args.block_sizes:
+                        for w in workers.values():  # warm-up
+                            w(op="verify", Q=Q, bs=bs, threads=threads)
+                        samples = {n: [] for n in names}
+                        mm, cp = [], []
+                        for _ in range(args.repeats):
+                            mm.append(workers["new"](op="mm", threads=1)["s"])
+                            if Q == 1:
+                                cp.append(workers["new"](op="copy", numel=kv_bytes // 4, threads=1)["s"])
+                            for n in names:
+                                samples[n].append(workers[n](op="verify", Q=Q, bs=bs, threads=threads)["s"])
+                        flops = 4 * B * Hq * Q * S * D
+                        g_mm = 2 * 1024 ** 3 / statistics.median(mm) / 1e9
+                        r = dict(meta, kernel="verify_attention", shape=shape, B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, Q=Q,
+                                 block_size=bs, threads=threads, dtype="float32", sgemm_gflops=g_mm,
+                                 load_avg=os.getloadavg()[0])
+                        cells = []
+                        for n in names:
+                            t = statistics.median(samples[n])
+                            gf = flops / t / 1e9
+                            r[f"{n}_commit"], r[f"{n}_ms"], r[f"{n}_gflops"] = commits[n], t * 1e3, gf
+                            r[f"{n}_ratio_sgemm_per_thread"] = gf / threads / g_mm
+                            cells.append(f"{t * 1e3:.2f} | {gf:.1f} | {gf / threads / g_mm:.2f}")
+                        line = f"| {shape} | {S} | {Q} | {bs} | {threads} | {g_mm:.0f} | " + " | ".join(cells)
+                        if Q == 1:
+                            g_cp = kv_bytes / statistics.median(cp) / 1e9
+                            r["copy_gbs"] = g_cp
+                            cc = []
+                            for n in names:
+                                gb = kv_bytes / (r[f"{n}_ms"] / 1e3) / 1e9
+                                r[f"{n}_kv_gbs"], r[f"{n}_ratio_copy"] = gb, gb / g_cp
+                                cc.append(f"{gb:.1f} | {gb / g_cp:.2f}")
+                            line += f" | {g_cp:.1f} | " + " | ".join(cc) + " |"
+                        else:
+                            line += " | - | " + " | ".join("- | -" for _ in names) + " |"
+                        rows.append(r)
+                        emit(line)
+    # block_topk at the vegas default: block size 1 (N = S blocks), one row per (batch, KV head, layer)
+    emit("")
+    emit("| block_topk rows x N, k | " + " | ".join(f"{n} ms" for n in names) + " |")
+    emit("|---|" + "---|" * len(names))
+    for rows_, N in ((4 * 3 * 30, 8192), (4 * 3 * 30, 2048)):
+        kk = math.ceil(0.05 * N)
+        samples = {n: [] for n in names}
+        for w in workers.values():
+            w(op="topk", rows=rows_, N=N, k=kk, threads=2)
+        for _ in range(args.repeats):
+            for n in names:
+                samples[n].append(workers[n](op="topk", rows=rows_, N=N, k=kk, threads=2)["s"])
+        r = dict(meta, kernel="block_topk", rows=rows_, N=N, k=kk, threads=2)
+        for n in names:
+            r[f"{n}_ms"] = statistics.median(samples[n]) * 1e3
+        rows.append(r)
+        emit(f"| {rows_} x {N}, k={kk} (SmolLM2 batch 4, 30 layers, bs 1) | " + " | ".join(f"{r[f'{n}_ms']:.2f}" for n in names) + " |")
+    for w in workers.values():
+        w.close()
+    load1 = os.getloadavg()
+    emit("")
+    emit(f"Load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+         f"at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} on {os.cpu_count()} CPUs.")
+    out = Path(str(args.out) + "_grid")
+    write_rows(out.with_suffix(".jsonl"), rows)
+    cmd = "python bench/bench_kernels_cpu.py " + " ".join(sys.argv[1:])
+    out.with_suffix(".md").write_text(f"Command: `{cmd.strip()}`\n\n" + "\n".join(lines) + "\n")
+    print(f"wrote {out.with_suffix('.jsonl')} and {out.with_suffix('.md')}")
+
+
 def main():
+    if "--worker" in sys.argv:
+        return worker(sys.argv[sys.argv.index("--worker") + 1])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", action="store_true", help="the verify_attention grid (see above)")
+    ap.add_argument("--old-tree", help="--grid: a second checkout with an in-place build, timed side by side")
+    ap.add_argument("--shapes", nargs="+", default=list(GRID_SHAPES), choices=list(GRID_SHAPES))
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 5, 7, 9])
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--dtype", choices=list(DT), default="float32")
     ap.add_argument("--batch", type=int, default=1)
@@ -47,6 +261,8 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tmp" / "kernels_cpu",
                     help="output prefix (.jsonl, .md); the committed results are bench/results/kernels_cpu.*")
     args = ap.parse_args()
+    if args.grid:
+        return grid(args)
     dt = DT[args.dtype]
     B, Q, Hq, Hkv, D, bs = args.batch, 7, 32, 8, 128, 16
     group = Hq // Hkv

@@ -119,3 +119,25 @@ def test_deterministic_across_runs_and_threads():
             assert torch.equal(torch.ops.vegas.block_topk(scores, k, nc, 128, 1), first)
     finally:
         torch.set_num_threads(n)
+
+
+def test_radix_select_edges_match_reference():
+    """Keys that share their top 11 or 22 bits (neighbouring floats), negative scores, -0 vs
+    +0, infinities and NaN, long rows at the vegas default (one block per token): exact."""
+    g = torch.Generator().manual_seed(5)
+    N = 8192
+    base = torch.rand(6, N, generator=g)
+    rows = [
+        base[0],
+        1.0 + torch.randint(0, 3000, (N,), generator=g) * 2.0 ** -23,  # same exponent, 11-12 low bits
+        -base[1],  # all negative
+        torch.where(torch.rand(N, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0)),
+        torch.where(torch.rand(N, generator=g) < 0.1, torch.tensor(float("nan")), base[2]),
+        torch.where(torch.rand(N, generator=g) < 0.2, torch.tensor(float("inf")), -base[3] * 1e30),
+    ]
+    scores = torch.stack(rows).view(2, 3, N).contiguous()
+    for kk, sinks in ((1, 0), (410, 1), (4096, 3), (N, 0)):
+        k = torch.tensor([kk, max(1, kk // 2)], dtype=torch.int32)
+        nc = torch.tensor([N, N - 77], dtype=torch.int32)
+        got, want = _run(scores, k, nc, kk, sinks)
+        assert torch.equal(got, want), (kk, sinks)

@@ -79,3 +79,92 @@ def test_wrapper_uses_kernel_on_cpu():
     b = torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+# Shapes at the edges of the main loop's blocking: rows live in vector lanes (8 or 16) and
+# are blocked 6 at a time in P.V, head_dim in 16-float chunks (64 at a time with AVX-512),
+# tokens in tiles of 64, several row vectors per score block (more than one block's worth
+# at R = 128).
+EDGE_SHAPES = [
+    (2, 5, 7, 1, 80, 333, 1),     # R = 35: not a multiple of 6, 8 or 16; D 80 = 64 + 16
+    (1, 3, 10, 5, 72, 200, 16),   # R = 6, D 72: a head_dim tail below one vector
+    (2, 16, 8, 1, 64, 150, 7),    # R = 128: several score blocks of row vectors
+    (3, 9, 9, 3, 40, 129, 1),     # R = 27, D 40, S one past two tiles
+    (1, 1, 32, 8, 128, 4111, 1),  # Q = 1 (plain decode), splits across threads
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", EDGE_SHAPES, ids=shape_id)
+def test_blocking_edges_match_reference(shape, dtype):
+    assert_verify_matches(shape, dtype, _run(shape, dtype, seed=5))
+
+
+@pytest.mark.parametrize("bs", [1, 16, 64])
+def test_tiles_cut_by_seq_lens_and_causality(bs):
+    """Lengths ending just inside, at and past tile edges (64), so a tile's last query rows
+    see a few tokens more than its first, and rows whose visible prefix ends mid-tile."""
+    B, Q, Hq, Hkv, D, S = 7, 9, 12, 3, 64, 200
+    q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32, seed=6)
+    lens = torch.tensor([9, 63, 64, 65, 70, 128, 200], dtype=torch.int32)
+    scale = D ** -0.5
+    w = torch.rand(Q, generator=torch.Generator().manual_seed(1)) + 0.1
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, w)
+    out_r, lse_r, bsc_r = reference.verify_attention(q, k, v, lens, bs, scale, w)
+    assert max_err(out, out_r) < 3e-5
+    assert max_err(lse, lse_r) < 1e-4
+    assert max_err(bsc, bsc_r) < 1e-4 * Q * (Hq // Hkv)
+    for b in range(B):  # nothing past each row's length
+        assert bool((bsc[b, :, math.ceil(int(lens[b]) / bs):] == 0).all())
+
+
+def test_threads_and_splits_agree():
+    """One thread (one split per head or a few) and two threads (more splits) agree."""
+    shape = (1, 7, 9, 3, 64, 3000, 1)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        (q, k, v, lens, scale), one, want = _run(shape, torch.float32, seed=7)
+        torch.set_num_threads(2)
+        two = torch.ops.vegas.verify_attention(q, k, v, lens, 1, scale, None)
+    finally:
+        torch.set_num_threads(n)
+    for a, b, r in zip(one, two, want):
+        assert max_err(a, b) < 1e-5 and max_err(a, r) < 1e-4
+
+
+ISA_SCRIPT = r"""
+import math, sys, torch
+sys.path.insert(0, {tests!r})
+from op_utils import assert_verify_matches, make_inputs, max_err, random_selection, verify_case
+from vegas_ext import reference
+shapes = {shapes!r}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for shape in shapes:
+        assert_verify_matches(shape, dtype, verify_case(shape, dtype, seed=3))
+        B, Q, Hq, Hkv, D, S, bs = shape
+        q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=4)
+        nb = math.ceil(S / bs)
+        idx = random_selection(B, Hkv, nb, max(1, min(nb, 9)), seed=2)
+        tail = (lens - Q - 5).clamp(min=0).int()
+        got = torch.ops.vegas.sparse_draft_attention(q, k, v, idx, tail, lens, bs, D ** -0.5)
+        want = reference.sparse_draft_attention(q, k, v, idx, tail, lens, bs, D ** -0.5)
+        assert max_err(got, want) <= (3e-5 if dtype == torch.float32 else 3e-2), (shape, dtype)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_narrower_isa_paths_match_reference(isa):
+    """The baseline and AVX2 builds of the main loop (the AVX-512 one runs everywhere else in
+    these tests where the processor has it), forced by VEGAS_CPU_ISA in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shapes = EDGE_SHAPES[:4] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1)]
+    code = ISA_SCRIPT.format(tests=str(Path(__file__).parent), shapes=shapes)
+    env = dict(os.environ, VEGAS_CPU_ISA=isa)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

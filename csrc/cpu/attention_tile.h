@@ -1,18 +1,37 @@
 // CPU attention main loop on raw pointers (no torch includes), shared by
 // verify_attention and sparse_draft_attention.
 //
-// This header has no include guard on purpose: a kernel .cpp includes it twice,
-// once for the baseline ISA and once under `#pragma GCC target("avx2,fma")`, each
-// time with a different VEGAS_ISA namespace, and picks one at run time
-// (see cpu_dispatch.h). Only raw-pointer code lives here.
+// This header has no include guard on purpose: isa.h includes it once per instruction
+// set (baseline, AVX2+FMA, AVX-512), each time under its own `#pragma GCC target` and
+// VEGAS_ISA namespace with its vector width VEGAS_VW and register count VEGAS_NREGS,
+// and picks one at run time. Only raw-pointer code lives here.
 //
 // Layout of one task: R = Q * group query rows of one KV head (row r = i * group + hh,
-// query i, query head hh of the group), all sharing each K/V tile they read.
-// Online softmax (FlashAttention, Dao et al. 2022) in fp32; scores of a tile are
-// s[r][t] = (scale * q_r) . k_t; per-row visible tokens are a prefix of the tile
-// (tokens are visited in ascending order wherever causality can mask them).
+// query i, query head hh of the group), all sharing each K/V tile they read. The rows
+// live in the lanes of the vectors ("rows in lanes", padded to Rp = a multiple of the
+// vector width), so one K or V element loaded from the cache serves every row:
+//   QK: S^T[t, r] = sum_d K[t, d] * Qs^T[d, r]   -- K[t, d] broadcast, Qs^T packed once
+//       per task ([D, Rp], pre-scaled), an MT-token x NV-vector block of scores held in
+//       registers (a GEMM micro-kernel with the cache row-major as it is: no packing of
+//       K for fp32 caches).
+//   PV: acc[r, d] = alpha[r] * acc[r, d] + sum_t P^T[t, r] * V[t, d]   -- MR rows x ND
+//       head_dim vectors in registers, P broadcast, V rows read as vectors.
+// Online softmax (FlashAttention, Dao et al. 2022) in fp32, vertical over the rows: the
+// running max, sum, and the per-block probability sums (verification's block scores)
+// are all row vectors. bf16 / fp16 caches are converted to fp32 one tile at a time.
+// Tokens are visited in ascending order wherever causality can mask them, so each row's
+// visible tokens are a prefix of the tile.
 #ifndef VEGAS_ISA
 #error "define VEGAS_ISA before including attention_tile.h"
+#endif
+#ifndef VEGAS_VW
+#error "define VEGAS_VW (floats per vector) before including attention_tile.h"
+#endif
+#ifndef VEGAS_NREGS
+#error "define VEGAS_NREGS (vector registers) before including attention_tile.h"
+#endif
+#ifndef VEGAS_F16C
+#define VEGAS_F16C 0
 #endif
 
 #include "cpu/attention_types.h"
@@ -26,162 +45,183 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 namespace vegas {
 namespace cpu {
 namespace VEGAS_ISA {
 
-// 8-float vectors (GCC/Clang vector extensions): one AVX register in the AVX2 build,
-// two SSE registers in the baseline build. Unaligned, aliasing-safe loads/stores.
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-static inline v8 ld8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-static inline void st8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
-static inline v8 splat(float x) { return v8{} + x; }
+constexpr int VW = VEGAS_VW;
+// Unaligned, aliasing-safe loads/stores on GCC/Clang vector extensions.
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+typedef int32_t viu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+static inline vf ld(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+static inline void st(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+// x - (+0) == x for every x (unlike 0 + x, which turns -0 into +0), so this folds to a
+// single broadcast (from memory where x is loaded).
+static inline vf splat(float x) { return x - vf{}; }
 
-#if defined(__clang__)
-#define VEGAS_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define VEGAS_SHUF(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
-#endif
+// Register blocking of the two micro-kernels (accumulators <= registers - 4).
+constexpr bool kWide = VEGAS_NREGS >= 32;
+constexpr int kQkMaxNV = kWide ? 3 : 2;  // row vectors per QK block
+constexpr int kPvMR = 6;                 // rows per PV block
+constexpr int kPvND = kWide ? 4 : 2;     // head_dim vectors per PV block
 
-// exp(x) of 8 lanes for x <= 0 (Cephes polynomial, rel. error ~2e-7); below -87 the
-// result is ~1e-38 (masked tokens never get here: they are zeroed separately).
-static inline v8 vexp8(v8 x) {
+// Padded row count: rows live in vector lanes.
+inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
+
+// exp(x) lane-wise (Cephes polynomial, rel. error ~2e-7); clamped to [-87, 88]; NaN stays
+// NaN. Callers zero masked (-inf) lanes separately.
+static inline vf vexp(vf x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;
   x = x > splat(88.f) ? splat(88.f) : x;
-  v8 fx = x * 1.44269504088896341f + 0.5f;
-  v8 fl = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);  // trunc
-  fl = fl > fx ? fl - 1.f : fl;                                           // floor
-  v8 r = x - fl * 0.693359375f;
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);  // trunc
+  fl = fl > fx ? fl - 1.f : fl;                                         // floor
+  vf r = x - fl * 0.693359375f;
   r = r - fl * -2.12194440e-4f;
-  v8 y = splat(1.9875691500e-4f);
+  vf y = splat(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const v8i e = (__builtin_convertvector(fl, v8i) + 127) << 23;
-  return y * reinterpret_cast<const v8&>(e);
+  const vi e = (__builtin_convertvector(fl, vi) + 127) << 23;
+  return y * (vf)e;  // same-size vector cast: reinterprets the bits
 }
 
+// dst[0:n] = float(src[0:n]).
 template <typename T>
-static inline float to_f(T x) {
-  return static_cast<float>(x);
-}
-
-static inline float hmax8(v8 a) {
-  float m = a[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, a[i]);
-  return m;
-}
-static inline float hsum8(v8 a) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += a[i];
-  return s;
-}
-
-// Lane i of the result = sum of the 8 lanes of a[i] (a transpose-and-add tree).
-static inline v8 hsum8x8(const v8* a) {
-  v8 t[4], u[2];
-  for (int i = 0; i < 4; ++i)
-    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  for (int i = 0; i < 2; ++i)
-    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return VEGAS_SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         VEGAS_SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// s[0:nt] = q . k_j for the tile's token rows krow[j] (row-major, fp32): 8 tokens at a
-// time, 8 accumulators reduced by one transpose-add tree; no transpose of K needed.
-static inline void qk_row(const float* q, int D, const float* const* krow, int nt, float* s) {
-  const int D8 = D & ~7;
-  for (int j0 = 0; j0 < nt; j0 += 8) {
-    const int nj = std::min(8, nt - j0);
-    v8 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = v8{};
-    const float* kr[8];
-    for (int j = 0; j < 8; ++j) kr[j] = krow[j0 + std::min(j, nj - 1)];
-    for (int d = 0; d < D8; d += 8) {
-      const v8 qd = ld8(q + d);
-      for (int j = 0; j < 8; ++j) a[j] += qd * ld8(kr[j] + d);
+static inline void to_f32(const T* src, int n, float* dst) {
+  int i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    for (; i + VW <= n; i += VW) {
+      const vu w = __builtin_convertvector(*reinterpret_cast<const vhu*>(s + i), vu) << 16;
+      st(dst + i, (vf)w);
     }
-    v8 r = hsum8x8(a);
-    for (int d = D8; d < D; ++d)
-      for (int j = 0; j < 8; ++j) r[j] += q[d] * kr[j][d];
-    if (nj == 8)
-      st8(s + j0, r);
-    else
-      for (int j = 0; j < nj; ++j) s[j0 + j] = r[j];
   }
+#if VEGAS_F16C == 16
+  if constexpr (std::is_same_v<T, c10::Half>)
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif VEGAS_F16C == 8
+  if constexpr (std::is_same_v<T, c10::Half>)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// acc[i, :] += sum_{t < ntok} p[i, t] * vrow[t][:] for NR rows; 16 head_dim lanes x NR
-// rows of accumulators in registers across the token loop.
-template <int NR>
-static inline void pv_rows(const float* p, const float* const* vrow, int D, int ntok, float* acc) {
-  int d0 = 0;
-  for (; d0 + 16 <= D; d0 += 16) {
-    v8 a[NR][2];
-    for (int i = 0; i < NR; ++i) {
-      a[i][0] = ld8(acc + i * D + d0);
-      a[i][1] = ld8(acc + i * D + d0 + 8);
-    }
-    for (int t = 0; t < ntok; ++t) {
-      const v8 v0 = ld8(vrow[t] + d0);
-      const v8 v1 = ld8(vrow[t] + d0 + 8);
-      for (int i = 0; i < NR; ++i) {
-        const float pi = p[i * kTile + t];
-        a[i][0] += pi * v0;
-        a[i][1] += pi * v1;
+// S^T rows [t0, t0 + MT) x row vectors [rv0, rv0 + NV): s[t * Rp + r] = sum_d krow[t][d] *
+// qt[d * Rp + r]. Token rows past `last` reuse row `last` (their results are ignored).
+// pf != 0: prefetch each row's counterpart pf floats ahead (the next tile), one cache
+// line per 16 d.
+template <int NV, int MT>
+static inline void qk_block(const float* qt, int Rp, int rv0, const float* const* krow, int t0,
+                            int last, int D, int64_t pf, float* s) {
+  const float* kr[MT];
+  for (int t = 0; t < MT; ++t) kr[t] = krow[std::min(t0 + t, last)];
+  vf a[MT][NV];
+  for (int t = 0; t < MT; ++t)
+    for (int n = 0; n < NV; ++n) a[t][n] = vf{};
+  const float* qd = qt + rv0 * VW;
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    if (pf)
+      for (int t = 0; t < MT; ++t) __builtin_prefetch(kr[t] + pf + d0);
+    const int d1 = std::min(D, d0 + 16);
+    for (int d = d0; d < d1; ++d, qd += Rp) {
+      vf q[NV];
+      for (int n = 0; n < NV; ++n) q[n] = ld(qd + n * VW);
+      for (int t = 0; t < MT; ++t) {
+        const vf kb = splat(kr[t][d]);
+        for (int n = 0; n < NV; ++n) a[t][n] += kb * q[n];
       }
     }
-    for (int i = 0; i < NR; ++i) {
-      st8(acc + i * D + d0, a[i][0]);
-      st8(acc + i * D + d0 + 8, a[i][1]);
+  }
+  for (int t = 0; t < MT; ++t)
+    for (int n = 0; n < NV; ++n) st(s + (t0 + t) * Rp + (rv0 + n) * VW, a[t][n]);
+}
+
+template <int NV>
+static inline void qk_rows(const float* qt, int Rp, int rv0, const float* const* krow, int ntok,
+                           int D, int64_t pf, float* s) {
+  constexpr int MT = kWide ? 8 : (NV == 1 ? 8 : (NV == 2 ? 6 : 4));
+  for (int t0 = 0; t0 < ntok; t0 += MT) qk_block<NV, MT>(qt, Rp, rv0, krow, t0, ntok - 1, D, pf, s);
+}
+
+// acc rows [r0, r0 + MR), head_dim vectors [d0, d0 + ND * VW):
+//   acc = alpha * acc + sum_{t < ntok} p[t * Rp + r] * vrow[t][d].
+// pf != 0: prefetch the V rows' counterparts pf floats ahead (the next tile).
+template <int MR, int ND>
+static inline void pv_block(const float* p, int Rp, int r0, const float* const* vrow, int ntok,
+                            const float* alpha, int d0, int D, int64_t pf, float* acc) {
+  vf a[MR][ND];
+  for (int i = 0; i < MR; ++i) {
+    const vf al = splat(alpha[r0 + i]);
+    for (int n = 0; n < ND; ++n) a[i][n] = ld(acc + (r0 + i) * D + d0 + n * VW) * al;
+  }
+  const float* pt = p + r0;
+  for (int t = 0; t < ntok; ++t, pt += Rp) {
+    if (pf)
+      for (int n = 0; n < ND * VW; n += 16) __builtin_prefetch(vrow[t] + pf + d0 + n);
+    vf v[ND];
+    for (int n = 0; n < ND; ++n) v[n] = ld(vrow[t] + d0 + n * VW);
+    for (int i = 0; i < MR; ++i) {
+      const vf pb = splat(pt[i]);
+      for (int n = 0; n < ND; ++n) a[i][n] += pb * v[n];
     }
   }
+  for (int i = 0; i < MR; ++i)
+    for (int n = 0; n < ND; ++n) st(acc + (r0 + i) * D + d0 + n * VW, a[i][n]);
+}
+
+template <int MR>
+static inline void pv_rows(const float* p, int Rp, int r0, const float* const* vrow, int ntok,
+                           const float* alpha, int D, int64_t pf, float* acc) {
+  int d0 = 0;
+  for (; d0 + kPvND * VW <= D; d0 += kPvND * VW)
+    pv_block<MR, kPvND>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
+  if constexpr (kPvND > 2)
+    for (; d0 + 2 * VW <= D; d0 += 2 * VW) pv_block<MR, 2>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
+  for (; d0 + VW <= D; d0 += VW) pv_block<MR, 1>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
   for (; d0 < D; ++d0)
-    for (int i = 0; i < NR; ++i) {
-      float x = acc[i * D + d0];
-      for (int t = 0; t < ntok; ++t) x += p[i * kTile + t] * vrow[t][d0];
-      acc[i * D + d0] = x;
+    for (int i = 0; i < MR; ++i) {
+      float x = acc[(r0 + i) * D + d0] * alpha[r0 + i];
+      for (int t = 0; t < ntok; ++t) x += p[t * Rp + r0 + i] * vrow[t][d0];
+      acc[(r0 + i) * D + d0] = x;
     }
 }
 
-// Row pointers of the tile's K and V as fp32: the cache itself for fp32, else a
-// converted copy in the scratch buffers.
-template <typename T>
-static inline void load_tile(const T* k, const T* v, int64_t k_st, int64_t v_st, const int64_t* tok,
-                             int nt, int D, const Scratch& ws, const float** krow,
-                             const float** vrow) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int j = 0; j < nt; ++j) {
-      krow[j] = k + tok[j] * k_st;
-      vrow[j] = v + tok[j] * v_st;
-    }
-  } else {
-    for (int j = 0; j < nt; ++j) {
-      const T* kr = k + tok[j] * k_st;
-      const T* vr = v + tok[j] * v_st;
-      float* kd = ws.kt + j * D;
-      float* vd = ws.vt + j * D;
-      for (int d = 0; d < D; ++d) kd[d] = to_f(kr[d]);
-      for (int d = 0; d < D; ++d) vd[d] = to_f(vr[d]);
-      krow[j] = kd;
-      vrow[j] = vd;
-    }
+static inline void pv_tail(int mr, const float* p, int Rp, int r0, const float* const* vrow, int ntok,
+                           const float* alpha, int D, int64_t pf, float* acc) {
+  switch (mr) {
+    case 1: pv_rows<1>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 2: pv_rows<2>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 3: pv_rows<3>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 4: pv_rows<4>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 5: pv_rows<5>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    default: break;
   }
+}
+
+// Packs the task's query rows for the QK micro-kernel: qt[d * Rp + r] = scale * q_r[d]
+// (zero in padded lanes); q row r at q + r * D (fp32).
+inline void pack_queries(const float* q, int R, int D, float* qt) {
+  const int Rp = row_pad(R);
+  for (int d = 0; d < D; ++d)
+    for (int r = 0; r < Rp; ++r) qt[d * Rp + r] = r < R ? q[r * D + d] : 0.f;
 }
 
 // Attend R rows to n tokens -- token i is list[i], or first + i when list is null --
-// updating the online-softmax state m[R], l[R], acc[R, D] (acc un-normalized,
-// relative to m). k/v point at token 0 of this KV head; k_st / v_st are their token strides.
+// updating the online-softmax state m[Rp], l[Rp], acc[R, D] (acc un-normalized,
+// relative to m; m = -inf, l = 0, acc = 0 initially). k/v point at token 0 of this KV
+// head; k_st / v_st are their token strides. rows.q is the packed qt of pack_queries.
 // NaN or +inf scores poison the row (l becomes NaN), so they propagate like the reference.
 template <typename T>
 void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st, const int64_t* list,
@@ -190,85 +230,182 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int R = rows.R;
   const int D = rows.D;
-  std::vector<int> nvs(R);
+  const int Rp = row_pad(R);
+  const int NVall = Rp / VW;
+  int* nvis = ws.nv;
   const float* krow[kTile];
   const float* vrow[kTile];
+  int64_t tok[kTile];
+  // contiguous fp32 tokens: the next tile's K / V rows are a fixed distance ahead
+  const bool direct = !list && std::is_same_v<T, float>;
+  const int64_t pf_k = direct ? kTile * k_st : 0;
+  const int64_t pf_v = direct ? kTile * v_st : 0;
   for (int64_t i0 = 0, tile = 0; i0 < n; i0 += kTile, ++tile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTile, n - i0));
     if (list)
-      for (int j = 0; j < nt; ++j) ws.tok[j] = list[i0 + j];
+      for (int j = 0; j < nt; ++j) tok[j] = list[i0 + j];
     else
-      for (int j = 0; j < nt; ++j) ws.tok[j] = first + i0 + j;
-    load_tile(k, v, k_st, v_st, ws.tok, nt, D, ws, krow, vrow);
-    bool straddle = false;
-    if (blk) {
-      for (int j = 0; j < nt; ++j)
-        ws.bo[j] = static_cast<int32_t>(ws.tok[j] / blk->block_size - blk->block0);
-      straddle = (ws.tok[0] % blk->block_size) != 0;
-    }
+      for (int j = 0; j < nt; ++j) tok[j] = first + i0 + j;
+    // visible prefix of each row (rows' limits are non-decreasing in r)
+    int ntmax = 0;
     for (int r = 0; r < R; ++r) {
-      float* s = ws.s + r * kTile;
-      int nv = nt;
-      while (nv > 0 && ws.tok[nv - 1] > rows.pos[r]) --nv;
-      nvs[r] = nv;
-      if (nv == 0) {
-        for (int j = 0; j < kTile; ++j) s[j] = 0.f;
-        if (blk) blk->mt[r * blk->ntiles + tile] = m[r];
-        continue;
-      }
-      qk_row(rows.q + r * D, D, krow, nv, s);
-      for (int j = nv; j < kTile; ++j) s[j] = kNegInf;
-      // online softmax; p = 0 past the visible prefix (exp(-inf) flushed by the select)
-      v8 mx8 = ld8(s);
-      for (int j = 8; j < kTile; j += 8) {
-        const v8 b = ld8(s + j);
-        mx8 = mx8 > b ? mx8 : b;
-      }
-      const float m_old = m[r];
-      const float m_new = std::max(m_old, hmax8(mx8));
-      const float alpha = (m_old == kNegInf) ? 0.f : std::exp(m_old - m_new);
-      v8 sum8 = v8{};
-      for (int j = 0; j < kTile; j += 8) {
-        const v8 x = ld8(s + j);
-        v8 p = vexp8(x - m_new);
-        p = x == splat(kNegInf) ? v8{} : p;
-        st8(s + j, p);
-        sum8 += p;
-      }
-      l[r] = l[r] * alpha + hsum8(sum8);
-      if (alpha != 1.f) {
-        float* ar = acc + r * D;
-        for (int d = 0; d < D; ++d) ar[d] *= alpha;
-      }
-      m[r] = m_new;
-      if (blk) {
-        float* br = blk->bsum + r * blk->nb;
-        if (straddle) br[ws.bo[0]] *= alpha;
-        if (!list && blk->block_size >= 8) {
-          // contiguous tokens: sum whole block segments
-          for (int j = 0; j < nv;) {
-            const int b = ws.bo[j];
-            const int64_t seg_end_tok = (b + blk->block0 + 1) * blk->block_size;
-            const int e = static_cast<int>(std::min<int64_t>(nv, j + (seg_end_tok - ws.tok[j])));
-            float acc_s = 0.f;
-            for (int t = j; t < e; ++t) acc_s += s[t];
-            br[b] += acc_s;
-            j = e;
-          }
-        } else {
-          for (int j = 0; j < nv; ++j) br[ws.bo[j]] += s[j];
+      int nv = (r > 0) ? nvis[r - 1] : 0;
+      while (nv < nt && tok[nv] <= rows.pos32[r]) ++nv;
+      nvis[r] = nv;
+      ntmax = std::max(ntmax, nv);
+    }
+    if (ntmax > 0) {
+      if constexpr (std::is_same_v<T, float>) {
+        for (int j = 0; j < ntmax; ++j) {
+          krow[j] = k + tok[j] * k_st;
+          vrow[j] = v + tok[j] * v_st;
         }
-        blk->mt[r * blk->ntiles + tile] = m_new;
+      } else {
+        for (int j = 0; j < ntmax; ++j) {
+          float* kd = ws.kt + j * D;
+          float* vd = ws.vt + j * D;
+          to_f32(k + tok[j] * k_st, D, kd);
+          to_f32(v + tok[j] * v_st, D, vd);
+          krow[j] = kd;
+          vrow[j] = vd;
+        }
+      }
+      for (int rv0 = 0; rv0 < NVall;) {
+        const int nv = std::min(kQkMaxNV, NVall - rv0);
+        if (nv == 3)
+          qk_rows<3>(rows.qt, Rp, rv0, krow, ntmax, D, rv0 == 0 ? pf_k : 0, ws.s);
+        else if (nv == 2)
+          qk_rows<2>(rows.qt, Rp, rv0, krow, ntmax, D, rv0 == 0 ? pf_k : 0, ws.s);
+        else
+          qk_rows<1>(rows.qt, Rp, rv0, krow, ntmax, D, rv0 == 0 ? pf_k : 0, ws.s);
+        rv0 += nv;
       }
     }
-    // acc += P V, 4 rows at a time over the longest visible prefix of the 4
-    int r = 0;
-    for (; r + 4 <= R; r += 4) {
-      const int ntok = std::max(std::max(nvs[r], nvs[r + 1]), std::max(nvs[r + 2], nvs[r + 3]));
-      if (ntok > 0) pv_rows<4>(ws.s + r * kTile, vrow, D, ntok, acc + r * D);
+    // causal mask (and the padded lanes, whose limit is -1), then tokens no row sees
+    for (int j = 0; j < ntmax; ++j) {
+      const vi tj = vi{} + static_cast<int32_t>(tok[j]);
+      for (int rv = 0; rv < NVall; ++rv) {
+        const vi pv = *reinterpret_cast<const viu*>(rows.pos32 + rv * VW);
+        float* s = ws.s + j * Rp + rv * VW;
+        st(s, tj > pv ? splat(kNegInf) : ld(s));
+      }
     }
-    for (; r < R; ++r)
-      if (nvs[r] > 0) pv_rows<1>(ws.s + r * kTile, vrow, D, nvs[r], acc + r * D);
+    for (int j = ntmax; j < nt; ++j)
+      for (int rv = 0; rv < NVall; ++rv) st(ws.s + j * Rp + rv * VW, splat(kNegInf));
+    // online softmax, vertical over the rows: p overwrites s
+    for (int rv = 0; rv < NVall; ++rv) {
+      vf mx = splat(kNegInf);
+      for (int j = 0; j < ntmax; ++j) {
+        const vf x = ld(ws.s + j * Rp + rv * VW);
+        mx = x > mx ? x : mx;
+      }
+      const vf m_old = ld(m + rv * VW);
+      const vf m_new = mx > m_old ? mx : m_old;
+      vf alpha = vexp(m_old - m_new);
+      alpha = m_old == splat(kNegInf) ? vf{} : alpha;
+      st(ws.alpha + rv * VW, alpha);
+      vf sum = vf{};
+      for (int j = 0; j < nt; ++j) {
+        float* s = ws.s + j * Rp + rv * VW;
+        const vf x = ld(s);
+        vf p = vexp(x - m_new);
+        p = x == splat(kNegInf) ? vf{} : p;
+        st(s, p);
+        sum += p;
+      }
+      st(l + rv * VW, ld(l + rv * VW) * alpha + sum);
+      st(m + rv * VW, m_new);
+      if (blk) st(blk->mt + tile * Rp + rv * VW, m_new);
+    }
+    if (blk) {
+      // per-block sums, relative to this tile's max; a block begun in an earlier tile is
+      // rescaled first. The task starts on a block boundary.
+      const int64_t bs = blk->block_size;
+      int64_t off = tok[0] % bs;
+      float* bsum = blk->bsum + (tok[0] / bs - blk->block0) * R;
+      if (off != 0)
+        for (int rv = 0; rv < NVall; ++rv)
+          st(bsum + rv * VW, ld(bsum + rv * VW) * ld(ws.alpha + rv * VW));
+      for (int j = 0; j < nt; ++j) {
+        const float* p = ws.s + j * Rp;
+        if (off == 0)
+          for (int rv = 0; rv < NVall; ++rv) st(bsum + rv * VW, ld(p + rv * VW));
+        else
+          for (int rv = 0; rv < NVall; ++rv) st(bsum + rv * VW, ld(bsum + rv * VW) + ld(p + rv * VW));
+        if (++off == bs) {
+          off = 0;
+          bsum += R;
+        }
+      }
+    }
+    // acc = alpha * acc + P V, kPvMR rows at a time over the longest visible prefix of the block
+    int r = 0;
+    for (; r + kPvMR <= R; r += kPvMR)
+      pv_rows<kPvMR>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
+    if (r < R) pv_tail(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
+  }
+}
+
+#if defined(__clang__)
+#define VEGAS_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define VEGAS_SHUF(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+// Lane i of the result = sum of the lanes of a[i], i < VW (a transpose-and-add tree).
+static inline vf hsum_many(const vf* a) {
+#if VEGAS_VW == 8
+  vf t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return VEGAS_SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + VEGAS_SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#elif VEGAS_VW == 16
+  vf t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // lane 2c: a[2i] pair c; lane 2c+1: a[2i+1] pair c
+    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)  // lane 4c + m: a[4i + m] quad c
+    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)  // lane 8c + m: a[8i + m] octet c
+    w[i] = VEGAS_SHUF(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           VEGAS_SHUF(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return VEGAS_SHUF(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         VEGAS_SHUF(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#else
+#error "hsum_many: VEGAS_VW must be 8 or 16"
+#endif
+}
+
+// Block scores of one task's blocks: out[j] = sum_{r < R} f[r] * bsum[j * R + r] for
+// j < nblk, where a zero sum contributes zero even when f is not finite (a poisoned row's
+// NaN reaches only the blocks it has mass in). f has row_pad(R) lanes.
+inline void block_reduce(const float* bsum, int R, const float* f, int64_t nblk, float* out) {
+  const int NV = row_pad(R) / VW;
+  vi lane;
+  for (int i = 0; i < VW; ++i) lane[i] = i;
+  vf a[VW];
+  for (int64_t j0 = 0; j0 < nblk; j0 += VW) {
+    const int nj = static_cast<int>(std::min<int64_t>(VW, nblk - j0));
+    for (int c = 0; c < VW; ++c) {
+      a[c] = vf{};
+      if (c >= nj) continue;
+      const float* b = bsum + (j0 + c) * R;
+      for (int rv = 0; rv < NV; ++rv) {
+        const vf x = ld(b + rv * VW);  // lanes >= R belong to the next block: masked
+        const vi keep = (x != vf{}) & (lane < R - rv * VW);
+        a[c] += keep ? x * ld(f + rv * VW) : vf{};
+      }
+    }
+    const vf sums = hsum_many(a);
+    if (nj == VW)
+      st(out + j0, sums);
+    else
+      for (int c = 0; c < nj; ++c) out[j0 + c] = sums[c];
   }
 }
 

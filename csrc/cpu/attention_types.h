@@ -4,40 +4,79 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace vegas {
 namespace cpu {
 
-constexpr int kTile = 64;  // tokens per K/V tile
+constexpr int kTile = 64;      // tokens per K/V tile
+constexpr int kMaxLanes = 16;  // widest vector (AVX-512): rows are padded to at most this
 
-// One task's query rows.
+// Rows padded to a multiple of the widest vector: an upper bound of every ISA's row_pad,
+// used to size buffers.
+inline int row_pad_max(int R) { return (R + kMaxLanes - 1) / kMaxLanes * kMaxLanes; }
+
+// One task's query rows, packed for the main loop (Rp = the ISA's row_pad(R)).
 struct Rows {
-  int R;              // number of rows
-  int D;              // head_dim
-  const float* q;     // [R, D] fp32, already multiplied by the softmax scale
-  const int64_t* pos; // [R] last token index each row may attend to (causal limit)
+  int R;                // number of rows
+  int D;                // head_dim
+  const float* qt;      // [D, Rp] fp32: qt[d * Rp + r] = scale * q_r[d], 0 in padded lanes
+  const int32_t* pos32; // [Rp] last token index each row may attend to (causal limit); -1 padded
 };
 
 // Scratch for one task (sizes for R rows, head_dim D).
 struct Scratch {
   float* kt;     // [kTile, D]  K tile converted to fp32 (bf16 / fp16 caches only)
   float* vt;     // [kTile, D]  V tile converted to fp32 (bf16 / fp16 caches only)
-  float* s;      // [R, kTile]  scores, then probabilities
-  int64_t* tok;  // [kTile]     token index of each tile column
-  int32_t* bo;   // [kTile]     block of each tile column, relative to BlockSums::block0
-  static size_t floats(int R, int D) { return size_t(2) * D * kTile + size_t(R) * kTile; }
+  float* s;      // [kTile + 8, Rp]  scores, then probabilities (token-major)
+  float* alpha;  // [Rp]  rescale factor of each row in the current tile
+  int* nv;       // [R]   visible tokens of each row in the current tile
+  static size_t floats(int R, int D) {
+    return size_t(2) * D * kTile + size_t(kTile + 8) * row_pad_max(R) + row_pad_max(R);
+  }
+};
+
+// One thread's buffers for the tasks of a launcher: the task's query rows (fp32, scaled),
+// their causal limits, and the main loop's scratch. Rp = the ISA's row_pad(R).
+struct TaskBuffers {
+  int R, Rp, D;
+  std::vector<float> qf, qt, scratch;
+  std::vector<int32_t> pos;
+  std::vector<int> nv;
+  TaskBuffers(int R_, int Rp_, int D_)
+      : R(R_), Rp(Rp_), D(D_), qf(size_t(R_) * D_), qt(size_t(D_) * Rp_),
+        scratch(Scratch::floats(R_, D_), 0.f), pos(Rp_, -1), nv(R_) {}
+  // Rows r = i * group + hh of KV head g of batch row b: q [B, Q, Hq, D] (contiguous),
+  // scaled into qf; row r may attend to tokens <= L - Q + i.
+  template <typename T>
+  void load_queries(const T* q, int64_t b, int64_t g, int64_t Q, int64_t group, int64_t Hq,
+                    float scale, int64_t L) {
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t hh = 0; hh < group; ++hh) {
+        const int64_t r = i * group + hh;
+        const T* src = q + ((b * Q + i) * Hq + g * group + hh) * D;
+        for (int e = 0; e < D; ++e) qf[r * D + e] = static_cast<float>(src[e]) * scale;
+        pos[r] = static_cast<int32_t>(L - Q + i);
+      }
+  }
+  Rows rows() const { return Rows{R, D, qt.data(), pos.data()}; }
+  Scratch ws() {
+    float* sc = scratch.data();
+    return Scratch{sc, sc + D * kTile, sc + 2 * D * kTile, sc + 2 * D * kTile + (kTile + 8) * Rp, nv.data()};
+  }
 };
 
 // Optional per-row, per-block probability sums (verification's block scores).
-// bsum[r, j - block0] holds sum over the tile-visited tokens of block j of
-// exp(s - m_ref), where m_ref = mt[r, tile] of the last tile that touched block j.
+// bsum[(j - block0) * R + r] holds, for row r, the sum over the visited tokens of block j
+// of exp(s - m_ref), where m_ref = mt[tile * Rp + r] of the last tile that touched block j.
+// Blocks are R floats apart (compact: the block sums are most of the kernel's writes at
+// block size 1); the main loop writes whole Rp-lane vectors, so Rp - R floats past the
+// last block are scratch too.
 struct BlockSums {
-  float* bsum;        // [R, nb]
-  int64_t nb;
+  float* bsum;        // [nb, R] (+ Rp - R)
   int64_t block0;     // first block of this task
   int64_t block_size;
-  float* mt;          // [R, ntiles] running max of each row after each tile
-  int64_t ntiles;
+  float* mt;          // [ntiles, Rp] running max of each row after each tile
 };
 
 }  // namespace cpu

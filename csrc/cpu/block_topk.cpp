@@ -3,6 +3,10 @@
 // [0, min(num_candidates[b], N)); c = min(k[b], max_k, eligible) in all. Order: higher
 // score first, NaN below every number (-inf included), ties to the lower index -- a total
 // order, so every device and run picks the same set. Output ascending, -1 padded.
+// Selection: a radix select on order-preserving integer keys of the float bits (digits
+// of 11, 11 and 10 bits, each pass over the candidates left in the threshold's bucket),
+// then one ascending scan that keeps every key above the threshold and the lowest-index
+// ties at it -- O(N) per row, no sort.
 // Source: Vegas, arXiv 2602.07223 (top-k of verification block scores).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,14 +14,111 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
-#include "cpu/isa.h"
+#include "cpu/parallel.h"
 
 namespace vegas {
 namespace cpu {
 namespace {
+
+// Order-preserving key: a > b as scores (NaN below every number, -0 == +0) iff key(a) >
+// key(b). NaN maps to 0, below -inf's key.
+inline uint32_t score_key(float x) {
+  if (std::isnan(x)) return 0u;
+  if (x == 0.f) x = 0.f;  // -0 ties with +0
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Writes to o, ascending, the `rest` highest-ranked of blocks [j0, j1) of row s (higher
+// key first, ties to the lower index); 0 < rest <= j1 - j0. keys / cand: scratch.
+void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vector<uint32_t>& keys,
+                std::vector<int32_t>& cand, int32_t* o) {
+  const int64_t n = j1 - j0;
+  if (rest == n) {
+    for (int64_t j = 0; j < n; ++j) o[j] = static_cast<int32_t>(j0 + j);
+    return;
+  }
+  keys.resize(n);
+  cand.resize(n);
+  // Radix select of the threshold key T: count(key > T) < rest <= count(key >= T).
+  // Pass 0 (top 11 bits) histograms all keys, 4 interleaved histograms so that runs of
+  // equal digits do not serialize on one counter; passes 1-2 (11 and 10 bits) only the
+  // candidates left in the chosen bucket, compacted without branches.
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr int kBits[3] = {11, 11, 10};
+  uint32_t hist4[4][2048];
+  uint32_t* hist = hist4[0];
+  uint32_t prefix = 0, pmask = 0;  // high bits of T fixed so far
+  int64_t need = rest;             // how many of the keys matching the prefix to take
+  int64_t m = n;                   // candidates matching the prefix (after pass 0: in cand)
+  for (int pass = 0; pass < 3; ++pass) {
+    const int sh = kShift[pass];
+    const uint32_t nb = 1u << kBits[pass], dm = nb - 1;
+    if (pass == 0) {
+      std::memset(hist4, 0, sizeof hist4);
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4)
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t kj = score_key(s[j0 + j + u]);
+          keys[j + u] = kj;
+          ++hist4[u][kj >> sh];
+        }
+      for (; j < n; ++j) {
+        keys[j] = score_key(s[j0 + j]);
+        ++hist4[0][keys[j] >> sh];
+      }
+      for (uint32_t x = 0; x < nb; ++x) hist[x] = hist4[0][x] + hist4[1][x] + hist4[2][x] + hist4[3][x];
+    } else {
+      std::fill(hist, hist + nb, 0u);
+      for (int64_t i = 0; i < m; ++i) ++hist[(keys[cand[i]] >> sh) & dm];
+    }
+    uint32_t dgt = nb - 1;
+    for (;; --dgt) {  // the top `need` lie in buckets >= dgt
+      if (hist[dgt] >= need) break;
+      need -= hist[dgt];
+    }
+    prefix |= dgt << sh;
+    pmask |= dm << sh;
+    if (pass == 0) {
+      int64_t w = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        cand[w] = static_cast<int32_t>(j);
+        w += (keys[j] & pmask) == prefix;
+      }
+      m = w;
+    } else if (pass == 1) {
+      int64_t w = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        const int32_t j = cand[i];
+        cand[w] = j;
+        w += (keys[j] & pmask) == prefix;
+      }
+      m = w;
+    }
+  }
+  // prefix == T: take every key above it and the `need` lowest-index keys equal to it, i.e.
+  // the ties at indices <= cut (cand holds, ascending, every index whose key shares T's top
+  // 21 bits, so every tie).
+  int64_t cut = -1;
+  for (int64_t i = 0, seen = 0; i < m && seen < need; ++i)
+    if (keys[cand[i]] == prefix) {
+      cut = cand[i];
+      ++seen;
+    }
+  int64_t w = 0;
+  for (int64_t j = 0; j < n && w < rest; ++j) {
+    const uint32_t kj = keys[j];
+    o[w] = static_cast<int32_t>(j0 + j);
+    w += (kj > prefix) | ((kj == prefix) & (j <= cut));
+  }
+}
 
 at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
                           const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks) {
@@ -34,33 +135,24 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
   if (max_k == 0 || B * H == 0) return out;
   const float* sp = scores.data_ptr<float>();
   int32_t* op_ = out.data_ptr<int32_t>();
-  at::parallel_for(0, B * H, parallel_grain(B * H, N, /*min_work=*/int64_t(1) << 18), [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> cand;
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / H;
-      const float* s = sp + row * N;
-      int32_t* o = op_ + row * max_k;
-      const int64_t elig = std::min<int64_t>(nc[b], N);
-      const int64_t c = std::min<int64_t>({int64_t(kk[b]), max_k, elig});
-      const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
-      for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
-      const int64_t rest = c - sinks;
-      if (rest <= 0) continue;
-      cand.resize(elig - sinks);
-      for (int64_t j = sinks; j < elig; ++j) cand[j - sinks] = static_cast<int32_t>(j);
-      auto better = [s](int32_t a, int32_t b2) {
-        const float x = s[a], y = s[b2];
-        const bool nx = std::isnan(x), ny = std::isnan(y);
-        if (nx != ny) return ny;  // the number outranks NaN
-        if (!nx && x != y) return x > y;
-        return a < b2;
-      };
-      if (rest < static_cast<int64_t>(cand.size()))
-        std::nth_element(cand.begin(), cand.begin() + rest, cand.end(), better);
-      std::sort(cand.begin(), cand.begin() + rest);
-      std::copy(cand.begin(), cand.begin() + rest, o + sinks);
-    }
-  });
+  // tasks of kRows rows; one thread below 2^18 scores in all (parallel_grain's 2^16 units
+  // of attention work, a score costing about a quarter of one)
+  constexpr int64_t kRows = 8;
+  const int64_t ntasks = ceil_div(B * H, kRows);
+  const int64_t work = std::max<int64_t>(1, kRows * N / 4);
+  parallel_tasks(
+      ntasks, work, [] { return std::pair<std::vector<uint32_t>, std::vector<int32_t>>(); },
+      [&](std::pair<std::vector<uint32_t>, std::vector<int32_t>>& buf, int64_t task) {
+        for (int64_t row = task * kRows; row < std::min(B * H, (task + 1) * kRows); ++row) {
+          const int64_t b = row / H;
+          int32_t* o = op_ + row * max_k;
+          const int64_t elig = std::min<int64_t>(nc[b], N);
+          const int64_t c = std::min<int64_t>({int64_t(kk[b]), max_k, elig});
+          const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
+          for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
+          if (c > sinks) select_top(sp + row * N, sinks, elig, c - sinks, buf.first, buf.second, o + sinks);
+        }
+      });
   return out;
 }
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "cpu/isa.h"
+#include "cpu/parallel.h"
 
 namespace vegas {
 namespace cpu {

@@ -52,43 +52,31 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const int64_t nsplit = choose_num_splits(B * Hkv, max_n, at::get_num_threads(), 256);
   const int64_t split_len = std::max<int64_t>(1, ceil_div(max_n, nsplit));
 
-  std::vector<float> m_all(B * Hkv * nsplit * R, kNegInf), l_all(B * Hkv * nsplit * R, 0.f);
-  std::vector<float> acc_all(B * Hkv * nsplit * R * D, 0.f);
+  const int Rp = VEGAS_ISA_CALL(row_pad, R);
+  std::vector<float> m_all(B * Hkv * nsplit * Rp, kNegInf), l_all(B * Hkv * nsplit * Rp, 0.f);
+  std::vector<float> acc_all(B * Hkv * nsplit * Rp * D, 0.f);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
 
-  at::parallel_for(0, B * Hkv * nsplit, parallel_grain(B * Hkv * nsplit, R * split_len),
-                   [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * D);
-    std::vector<int64_t> pos(R);
-    std::vector<float> scratch(Scratch::floats(R, D), 0.f);
-    std::vector<int64_t> tok(kTile);
-    std::vector<int32_t> bo(kTile);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t sp = task % nsplit, bg = task / nsplit;
-      const int64_t b = bg / Hkv, g = bg % Hkv;
-      const auto& lst = lists[bg];
-      const int64_t i0 = sp * split_len;
-      const int64_t i1 = std::min<int64_t>(lst.size(), i0 + split_len);
-      if (i0 >= i1) continue;
-      const int64_t L = lens[b];
-      for (int64_t i = 0; i < Q; ++i)
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const int64_t r = i * G + hh;
-          const T* src = qp + ((b * Q + i) * d.Hq + g * G + hh) * D;
-          for (int64_t e = 0; e < D; ++e) qf[r * D + e] = static_cast<float>(src[e]) * float(scale);
-          pos[r] = L - Q + i;
-        }
-      const int64_t base = (bg * nsplit + sp) * R;
-      Rows rows{R, static_cast<int>(D), qf.data(), pos.data()};
-      Scratch ws{scratch.data(), scratch.data() + D * kTile, scratch.data() + 2 * D * kTile,
-                 tok.data(), bo.data()};
-      VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt,
-                     lst.data() + i0, 0, i1 - i0, ws, m_all.data() + base,
-                     l_all.data() + base, acc_all.data() + base * D, nullptr);
-    }
-  });
+  parallel_tasks(
+      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+      [&](TaskBuffers& tb, int64_t task) {
+        const int64_t sp = task % nsplit, bg = task / nsplit;
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        const auto& lst = lists[bg];
+        const int64_t i0 = sp * split_len;
+        const int64_t i1 = std::min<int64_t>(lst.size(), i0 + split_len);
+        if (i0 >= i1) return;
+        tb.load_queries(qp, b, g, Q, G, d.Hq, float(scale), lens[b]);
+        VEGAS_ISA_CALL(pack_queries, tb.qf.data(), R, static_cast<int>(D), tb.qt.data());
+        const int64_t base = task * Rp;
+        const Rows rows = tb.rows();
+        const Scratch ws = tb.ws();
+        VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt,
+                       lst.data() + i0, 0, i1 - i0, ws, m_all.data() + base, l_all.data() + base,
+                       acc_all.data() + base * D, nullptr);
+      });
 
   at::Tensor out32 = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
   float* outf = out32.data_ptr<float>();
@@ -97,9 +85,9 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       const int64_t b = bg / Hkv, g = bg % Hkv;
       for (int r = 0; r < R; ++r) {
         const int64_t i = r / G, hh = r % G;
-        const int64_t idx0 = bg * nsplit * R + r;
+        const int64_t idx0 = bg * nsplit * Rp + r;
         combine_row(m_all.data() + idx0, l_all.data() + idx0, acc_all.data() + idx0 * D, nsplit,
-                    R, D, outf + ((b * Q + i) * d.Hq + g * G + hh) * D);
+                    Rp, D, outf + ((b * Q + i) * d.Hq + g * G + hh) * D);
       }
     }
   });

@@ -25,6 +25,15 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Grow-only buffer reused across calls by the calling thread: the block sums of a long
+// cache are tens of MB, and fresh pages cost more to fault in than the kernel takes to
+// fill them.
+template <typename T>
+T* reuse_buffer(std::vector<T>& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 template <typename T>
 void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const int32_t* lens, const float* qw, const AttnDims& d, int64_t block_size,
@@ -32,6 +41,7 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t B = d.B, Q = d.Q, Hkv = d.Hkv, G = d.group, D = d.D, S = d.S;
   const int64_t bs = effective_block_size(block_size, S);
   const int R = static_cast<int>(Q * G);
+  const int Rp = VEGAS_ISA_CALL(row_pad, R);
   const int64_t N = ceil_div(S, bs);
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
@@ -46,104 +56,87 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), kt = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vt = v_cache.stride(2);
 
-  auto fopt = at::TensorOptions().dtype(at::kFloat);
-  // per (b, g, split): m [R], l [R], acc [R, D], mt [R, ntiles]
-  std::vector<float> m_all(B * Hkv * nsplit * R, kNegInf), l_all(B * Hkv * nsplit * R, 0.f);
-  std::vector<float> acc_all(B * Hkv * nsplit * R * D, 0.f);
-  std::vector<float> mt_all(B * Hkv * nsplit * R * ntiles, kNegInf);
-  // per (b, g): bsum [R, N]
-  std::vector<float> bsum_all(B * Hkv * R * N, 0.f);
+  // per (b, g, split): m [Rp], l [Rp], acc [Rp, D], mt [ntiles, Rp], bsum [split blocks, R]
+  // (+ Rp - R). Every entry that phase 2 reads is written by phase 1 (m / l of empty splits here).
+  thread_local std::vector<float> m_buf, l_buf, acc_buf, mt_buf, bsum_buf;
+  const int64_t nstate = B * Hkv * nsplit * Rp;
+  const int64_t bsum_stride = split_len / bs * R + Rp;  // per split
+  float* m_all = reuse_buffer(m_buf, nstate);
+  float* l_all = reuse_buffer(l_buf, nstate);
+  float* acc_all = reuse_buffer(acc_buf, nstate * D);
+  float* mt_all = reuse_buffer(mt_buf, nstate * ntiles);
+  float* bsum_all = reuse_buffer(bsum_buf, B * Hkv * nsplit * bsum_stride);
+  std::fill(m_all, m_all + nstate, kNegInf);
+  std::fill(l_all, l_all + nstate, 0.f);
 
-  const int64_t grain = parallel_grain(B * Hkv * nsplit, R * split_len);
-  at::parallel_for(0, B * Hkv * nsplit, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * D);
-    std::vector<int64_t> pos(R);
-    std::vector<float> scratch(Scratch::floats(R, D), 0.f);
-    std::vector<int64_t> tok(kTile);
-    std::vector<int32_t> bo(kTile);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t sp = task % nsplit;
-      const int64_t bg = task / nsplit;
-      const int64_t b = bg / Hkv, g = bg % Hkv;
-      const int64_t L = lens[b];
-      const int64_t t0 = sp * split_len;
-      const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
-      if (t0 >= t1) continue;
-      for (int64_t i = 0; i < Q; ++i)
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const int64_t r = i * G + hh;
-          const T* src = qp + ((b * Q + i) * d.Hq + g * G + hh) * D;
-          for (int64_t e = 0; e < D; ++e) qf[r * D + e] = static_cast<float>(src[e]) * float(scale);
-          pos[r] = L - Q + i;
-        }
-      const int64_t base = (bg * nsplit + sp) * R;
-      float* m = m_all.data() + base;
-      float* l = l_all.data() + base;
-      float* acc = acc_all.data() + base * D;
-      BlockSums blk;
-      blk.bsum = bsum_all.data() + bg * R * N + t0 / bs;
-      blk.nb = N;
-      blk.block0 = t0 / bs;
-      blk.block_size = bs;
-      blk.mt = mt_all.data() + base * ntiles;
-      blk.ntiles = ntiles;
-      Rows rows{R, static_cast<int>(D), qf.data(), pos.data()};
-      Scratch ws{scratch.data(), scratch.data() + D * kTile,
-                   scratch.data() + 2 * D * kTile, tok.data(), bo.data()};
-      const T* kbase = kp + b * kb + g * kh;
-      const T* vbase = vp + b * vb + g * vh;
-      VEGAS_ISA_CALL(attend<T>, rows, kbase, vbase, kt, vt, nullptr, t0, t1 - t0, ws, m, l, acc,
-                     &blk);
-    }
-  });
+  parallel_tasks(
+      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+      [&](TaskBuffers& tb, int64_t task) {
+        const int64_t sp = task % nsplit;
+        const int64_t bg = task / nsplit;
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        const int64_t L = lens[b];
+        const int64_t t0 = sp * split_len;
+        const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
+        if (t0 >= t1) return;
+        tb.load_queries(qp, b, g, Q, G, d.Hq, float(scale), L);
+        VEGAS_ISA_CALL(pack_queries, tb.qf.data(), R, static_cast<int>(D), tb.qt.data());
+        const int64_t base = task * Rp;
+        float* acc = acc_all + base * D;
+        std::fill(acc, acc + R * D, 0.f);
+        BlockSums blk;
+        blk.bsum = bsum_all + task * bsum_stride;
+        blk.block0 = t0 / bs;
+        blk.block_size = bs;
+        blk.mt = mt_all + base * ntiles;
+        const Rows rows = tb.rows();
+        const Scratch ws = tb.ws();
+        VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt, nullptr, t0,
+                       t1 - t0, ws, m_all + base, l_all + base, acc, &blk);
+      });
 
   float* outf = nullptr;
   at::Tensor out32;
   if (q.scalar_type() == at::kFloat) {
     outf = out.data_ptr<float>();
   } else {
-    out32 = at::empty(out.sizes(), fopt);
+    out32 = at::empty(out.sizes(), at::TensorOptions().dtype(at::kFloat));
     outf = out32.data_ptr<float>();
   }
   float* lsep = lse.data_ptr<float>();
   float* scp = scores.data_ptr<float>();
 
   at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, R * N), [&](int64_t begin, int64_t end) {
-    std::vector<float> row_lse(R);
+    std::vector<float> row_lse(Rp, 0.f), f(Rp, 0.f);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
       const int64_t L = lens[b];
       for (int r = 0; r < R; ++r) {
         const int64_t i = r / G, hh = r % G;
-        const int64_t idx0 = bg * nsplit * R + r;
+        const int64_t idx0 = bg * nsplit * Rp + r;
         float* o = outf + ((b * Q + i) * d.Hq + g * G + hh) * D;
-        const float lr = combine_row(m_all.data() + idx0, l_all.data() + idx0,
-                                     acc_all.data() + idx0 * D, nsplit, R, D, o);
+        const float lr = combine_row(m_all + idx0, l_all + idx0, acc_all + idx0 * D, nsplit, Rp, D, o);
         row_lse[r] = lr;
         lsep[(b * d.Hq + g * G + hh) * Q + i] = lr;
       }
       // block scores: block j's sums are relative to the running max of the tile that holds
-      // its last token, so its factor exp(m_tile - lse_r) is one per (row, split, tile): the
-      // blocks of a tile share it (one exp per row and tile, not per row and block), and the
-      // rows are summed in order r = 0..R-1 as a plain loop over rows would.
+      // its last token, so its factor w_r * exp(m_tile - lse_r) is one per (row, split, tile),
+      // shared by the blocks of the tile.
       float* sc = scp + bg * N;
-      const float* bsum = bsum_all.data() + bg * R * N;
-      const int64_t nb_valid = ceil_div(L, bs);
-      std::fill(sc, sc + nb_valid, 0.f);
       for (int64_t sp = 0; sp * split_len < L; ++sp) {
         const int64_t t0 = sp * split_len;
+        const float* bsum = bsum_all + (bg * nsplit + sp) * bsum_stride - (t0 / bs) * R;  // block j at j * R
         const int64_t t_end = std::min<int64_t>(t0 + split_len, L);  // split's tokens [t0, t_end)
-        const float* mt = mt_all.data() + (bg * nsplit + sp) * R * ntiles;
+        const float* mt = mt_all + (bg * nsplit + sp) * Rp * ntiles;
+        auto last_tile = [&](int64_t j) { return (std::min<int64_t>((j + 1) * bs, t_end) - 1 - t0) / kTile; };
         for (int64_t j0 = t0 / bs; j0 * bs < t_end;) {
           // blocks [j0, j1) whose last token lies in the same tile
-          const int64_t tile = (std::min<int64_t>((j0 + 1) * bs, t_end) - 1 - t0) / kTile;
-          int64_t j1 = j0 + 1;
-          while (j1 * bs < t_end && (std::min<int64_t>((j1 + 1) * bs, t_end) - 1 - t0) / kTile == tile) ++j1;
-          for (int r = 0; r < R; ++r) {
-            const float f = (qw ? qw[r / G] : 1.f) * std::exp(mt[r * ntiles + tile] - row_lse[r]);
-            const float* br = bsum + r * N;
-            for (int64_t j = j0; j < j1; ++j) sc[j] += br[j] != 0.f ? br[j] * f : 0.f;
-          }
+          const int64_t tile = last_tile(j0);
+          int64_t j1 = std::min<int64_t>(ceil_div(t0 + (tile + 1) * kTile, bs), ceil_div(t_end, bs));
+          while (j1 > j0 + 1 && last_tile(j1 - 1) != tile) --j1;
+          for (int r = 0; r < R; ++r)
+            f[r] = (qw ? qw[r / G] : 1.f) * std::exp(mt[tile * Rp + r] - row_lse[r]);
+          VEGAS_ISA_CALL(block_reduce, bsum + j0 * R, R, f.data(), j1 - j0, sc + j0);
           j0 = j1;
         }
       }
