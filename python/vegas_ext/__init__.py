@@ -10,7 +10,7 @@ Ops (``torch.ops.vegas.*``, typed wrappers in :mod:`vegas_ext.ops`):
 from . import ops, reference
 from .ops import block_topk, sparse_draft_attention, verify_attention
 from .decode import generate, GenerateOutput
-from . import selection  # registers "streamingllm" and "quest"
+from . import selection  # the selection strategies (full, vegas, streamingllm, quest)
 
 __version__ = "0.1.0"
 
