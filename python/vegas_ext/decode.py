@@ -282,10 +282,11 @@ def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
     wmask = ar[None, :] < count[:, None]
     rows, cols = wmask.nonzero(as_tuple=True)
     state.new_tokens[rows, state.n_gen[rows] + cols] = cand[rows, cols]
-    # drafts that could never be emitted (past max_new_tokens) are not counted
+    # drafts that could never be emitted (past max_new_tokens) are not counted as drafted, and
+    # accepted drafts after an EOS (never emitted) not as accepted
     drafted = torch.where(active, torch.clamp(rem - 1, max=g), torch.zeros_like(rem))
     matched = torch.minimum(a, drafted)
-    state.stats.record(drafted, matched)
+    state.stats.record(drafted, torch.minimum(matched, count))
     if state.streamer is not None and int(count[0]) > 0:
         state.streamer.put(cand[0, : int(count[0])].cpu())
     state.tail_start = state.cache.lengths.clone()
@@ -511,7 +512,8 @@ def generate(
         / total time, prefill included), ``decode_tokens_per_s`` (after the first token),
         ``time_total_s``, ``time_prefill_s``, ``time_draft_s``, ``time_verify_s`` (acceptance
         included), ``time_select_s``, and the configuration. Drafts that could never be emitted
-        (past a row's ``max_new_tokens``) are not counted.
+        (past a row's ``max_new_tokens``) are not counted as drafted; accepted drafts after an EOS
+        inside an accepted run (not emitted) are not counted as accepted.
 
     Raises:
         ValueError: unsupported model or sliding window smaller than the context (names
