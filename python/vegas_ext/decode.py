@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -182,7 +184,7 @@ def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
     B, t = ids.shape
     if not (pc is not None and pc.get("ids") is not None and pc["ids"].shape[0] == B
             and pc["ids"].shape[1] >= t and torch.equal(pc["ids"][:, :t], ids)
-            and pc["k"][0].dtype == cache.layers[0].keys.dtype):
+            and prefill_cache_is_for(pc, state.model)):
         return False
     for li, cl in enumerate(cache.layers):  # copy, and tell the write hook as a forward would
         cl.keys[:, :, :t].copy_(pc["k"][li][:, :, :t])
@@ -192,9 +194,26 @@ def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
     return True
 
 
+def _model_fingerprint(model) -> tuple:
+    """What identifies a model's weights now: every parameter's and buffer's storage address,
+    in-place version counter, dtype and device (a reload, ``.to()`` or in-place update changes it)."""
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device)
+                 for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def prefill_cache_is_for(pc: dict, model) -> bool:
+    """Whether ``pc`` (a ``generate(prefill_cache=...)`` dict) was filled by ``model`` as it is
+    now: the same object (weak reference) with the same weights (:func:`_model_fingerprint`),
+    hence the same dtype and device."""
+    ref = pc.get("model")
+    return ref is not None and ref() is model and pc.get("fingerprint") == _model_fingerprint(model)
+
+
 def _store_prefill(state: DecodeState, pc: dict, ids: Tensor) -> None:
-    """Keep the prefill K/V of ``ids`` ``[B, t]`` in ``pc`` for later calls."""
+    """Keep the prefill K/V of ``ids`` ``[B, t]`` in ``pc`` for later calls of the same model."""
     t = ids.shape[1]
+    pc["model"] = weakref.ref(state.model)
+    pc["fingerprint"] = _model_fingerprint(state.model)
     pc["ids"] = ids.clone()
     pc["k"] = [cl.keys[:, :, :t].clone() for cl in state.cache.layers]
     pc["v"] = [cl.values[:, :, :t].clone() for cl in state.cache.layers]
@@ -501,7 +520,10 @@ def generate(
             stores its prefill K/V there, later calls whose prefill is a prefix of it copy it
             instead of recomputing (``stats["prefill_reused"]``; their ``time_prefill_s`` is then
             the copy). Valid because a causal model's K/V at a position depend only on the tokens
-            up to it; the stored K/V may differ from a recomputation by float rounding only.
+            up to it; the stored K/V may differ from a recomputation by float rounding only. Only
+            the model that filled it, with the same weights, dtype and device, reuses it (a weak
+            reference plus every parameter's storage address and version); any other call
+            recomputes its prefill and refills the dict.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
