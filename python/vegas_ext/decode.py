@@ -45,7 +45,7 @@ from .selection import (
     budget_blocks,
     register_selection_algorithm,
 )
-from .speculation import FixedGamma, GammaPolicy, IterationCosts
+from .speculation import AutoGamma, FixedGamma, GammaPolicy, IterationCosts
 from .stats import DecodeStats
 
 __all__ = [
@@ -88,7 +88,8 @@ class GenerateOutput:
 class DecodeState:
     """Everything one :func:`generate` call carries from iteration to iteration.
 
-    Per-row tensors are ``[B]`` over the rows of the current batch.
+    Per-row tensors are ``[B]`` over the rows of the current batch: once rows finish, they leave
+    it (:func:`drop_finished_rows`) and ``rows`` maps the current rows to the caller's.
 
     Attributes:
         model, fwd_kw: the HF model and the name of its cache argument.
@@ -100,7 +101,10 @@ class DecodeState:
         limit_new: new tokens allowed per row; ``n_gen``: new tokens so far; ``done``: finished rows.
         last_tok: each row's last emitted token (its K/V not yet in the cache).
         tail_start: ``[B]`` int32 start of the draft tail (the last verification window).
-        new_tokens: ``[B, max_new_tokens]`` the emitted tokens (padding after a row's end).
+        new_tokens: ``[B0, max_new_tokens]`` the emitted tokens of the caller's ``B0`` rows
+            (padding after a row's end); ``n_gen_all``: ``[B0]`` new tokens per caller's row.
+        rows: ``[B]`` int64, the caller's row index of each current row.
+        compact: whether finished rows leave the batch.
         selected: whether ``attn.block_indices`` were chosen after the latest verification.
         streamer: optional HF streamer (batch size 1).
     """
@@ -124,6 +128,9 @@ class DecodeState:
     last_tok: Optional[Tensor] = None
     tail_start: Optional[Tensor] = None
     new_tokens: Optional[Tensor] = None
+    rows: Optional[Tensor] = None
+    n_gen_all: Optional[Tensor] = None
+    compact: bool = True
     selected: bool = False
     streamer: object = None
 
@@ -170,6 +177,8 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
     first, _ = state.sample_or_argmax(logits)
     state.new_tokens[:, 0] = first
     state.n_gen = torch.ones(B, dtype=torch.long, device=device)
+    state.n_gen_all = state.n_gen.clone()
+    state.rows = torch.arange(B, device=device)
     state.done = (state.n_gen >= state.limit_new) | torch.isin(first, state.eos)
     state.last_tok = first
     state.tail_start = pre.to(torch.int32)
@@ -300,7 +309,7 @@ def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
     finished = active & (has_eos | (count >= rem))
     wmask = ar[None, :] < count[:, None]
     rows, cols = wmask.nonzero(as_tuple=True)
-    state.new_tokens[rows, state.n_gen[rows] + cols] = cand[rows, cols]
+    state.new_tokens[state.rows[rows], state.n_gen[rows] + cols] = cand[rows, cols]
     # drafts that could never be emitted (past max_new_tokens) are not counted as drafted, and
     # accepted drafts after an EOS (never emitted) not as accepted
     drafted = torch.where(active, torch.clamp(rem - 1, max=g), torch.zeros_like(rem))
@@ -311,6 +320,7 @@ def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
     state.tail_start = state.cache.lengths.clone()
     state.cache.commit(state.cache.lengths.long() + count)
     state.n_gen = state.n_gen + count
+    state.n_gen_all[state.rows] = state.n_gen
     state.done = state.done | finished
     state.last_tok = torch.where(active, t, state.last_tok)
     return drafted, matched
@@ -344,6 +354,27 @@ def step(state: DecodeState) -> None:
     state.stats.time_draft_s += t2 - t1
     state.stats.time_verify_s += t3 - t2
     state.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel), drafted[active], matched[active])
+    if state.compact and bool(state.done.any()) and not bool(state.done.all()):
+        drop_finished_rows(state)
+        state.sync()
+        state.stats.time_compact_s += time.perf_counter() - t3
+
+
+def drop_finished_rows(state: DecodeState) -> None:
+    """Finished rows leave the batch: the cache rows, the attention state (block scores and
+    indices), the strategy's per-row metadata and the per-row progress keep the active rows only,
+    so that every later forward runs on them alone."""
+    keep = (~state.done).nonzero()[:, 0]
+    state.cache.keep_rows(keep)
+    st = state.attn
+    if st.block_scores is not None:
+        st.block_scores = st.block_scores[:, keep].contiguous()
+    if st.block_indices is not None:
+        st.block_indices = st.block_indices[:, keep].contiguous()
+    state.strategy.keep_rows(keep)
+    for name in ("limit_new", "n_gen", "done", "last_tok", "tail_start", "rows"):
+        setattr(state, name, getattr(state, name)[keep])
+    st.tail_start = state.tail_start
 
 
 # =========================================================================== generate
@@ -375,7 +406,8 @@ def _as_id_list(x) -> List[int]:
     return [int(x)]
 
 
-def _check_options(*, max_new_tokens, num_speculative_tokens, sparse_attn_algorithm, sparse_attn_ratio,
+def _check_options(*, max_new_tokens, num_speculative_tokens, max_speculative_tokens, sparse_attn_algorithm,
+                   sparse_attn_ratio,
                    sparse_attn_min_tokens, sparse_attn_max_tokens, block_size, num_sink_blocks,
                    selection_refresh_interval, query_weights, do_sample, temperature, top_k, top_p) -> None:
     """``ValueError`` naming the first out-of-range option of :func:`generate`."""
@@ -385,8 +417,12 @@ def _check_options(*, max_new_tokens, num_speculative_tokens, sparse_attn_algori
         )
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
-        raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_speculative_tokens!r}")
+    if num_speculative_tokens != "auto" and (
+            isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int)
+            or num_speculative_tokens < 0):
+        raise ValueError(f"num_speculative_tokens must be an int >= 0 or 'auto', got {num_speculative_tokens!r}")
+    if isinstance(max_speculative_tokens, bool) or not isinstance(max_speculative_tokens, int) or max_speculative_tokens < 1:
+        raise ValueError(f"max_speculative_tokens must be an int >= 1, got {max_speculative_tokens!r}")
     if not (0.0 < float(sparse_attn_ratio) <= 1.0):
         raise ValueError(f"sparse_attn_ratio must lie in (0, 1], got {sparse_attn_ratio}")
     if sparse_attn_min_tokens < 0:
@@ -452,7 +488,8 @@ def generate(
     attention_mask: Optional[Tensor] = None,
     *,
     max_new_tokens: int,
-    num_speculative_tokens: int = 6,
+    num_speculative_tokens: Union[int, str] = "auto",
+    max_speculative_tokens: int = 8,
     sparse_attn_algorithm: str = "vegas",
     sparse_attn_ratio: float = 0.05,
     sparse_attn_min_tokens: int = 256,
@@ -489,8 +526,13 @@ def generate(
             default all ones.
         max_new_tokens: new tokens per row (>= 0). Also capped so a row never goes past the model's
             ``max_position_embeddings`` (it then ends at the last position; HF would extrapolate).
-        num_speculative_tokens: drafts per iteration ``gamma`` (>= 0). Shrunk automatically near a
+        num_speculative_tokens: drafts per iteration ``gamma``: an int >= 0 (fixed), or ``"auto"``
+            (default): before every iteration the ``g`` in ``0..max_speculative_tokens`` with the
+            most expected emitted tokens per second, from the acceptance rates per draft position
+            and the draft / verify / select costs the loop measures as it runs (``g = 0`` is a
+            plain step; see :class:`vegas_ext.speculation.AutoGamma`). Either way shrunk near a
             row's end (``max_new_tokens`` or the last position); never writes out of bounds.
+        max_speculative_tokens: the largest ``g`` of ``"auto"`` (>= 1, default 8).
         sparse_attn_algorithm: ``"vegas"`` or ``"full"`` (``gamma = 0``: plain decoding through
             the same cache and kernels), or any name added with :func:`register_selection_algorithm`.
         sparse_attn_ratio: draft KV budget as a fraction of the context, in ``(0, 1]``.
@@ -515,7 +557,10 @@ def generate(
             EOS, else 0.
         streamer: a HF streamer (``put`` / ``end``); batch size 1 only.
         generator: ``torch.Generator`` for reproducible sampling.
-        return_cache: also return the KV cache (inspection, tests).
+        return_cache: also return the KV cache (inspection, tests). Finished rows then stay in the
+            batch to the end, so that the cache holds every row; otherwise a row leaves the batch
+            (cache rows included) once it hit its EOS or ``max_new_tokens``, and later forwards
+            run on the rows still decoding only.
         prefill_cache: optional dict shared by calls on the same prompt (benchmarks): the first call
             stores its prefill K/V there, later calls whose prefill is a prefix of it copy it
             instead of recomputing (``stats["prefill_reused"]``; their ``time_prefill_s`` is then
@@ -528,9 +573,13 @@ def generate(
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
         row) and ``stats``: ``num_drafts`` (row-iterations with drafts), ``num_draft_tokens``,
-        ``num_accepted_tokens``, ``num_accepted_tokens_per_pos`` (list of length gamma),
+        ``num_accepted_tokens``, ``num_accepted_tokens_per_pos`` (list of length ``max(gamma)``),
         ``mean_acceptance_length`` (= 1 + accepted / drafts), ``draft_acceptance_rate`` (= accepted
-        / draft tokens), ``num_generated_tokens``, ``num_iterations``, ``tokens_per_s`` (new tokens
+        / draft tokens), ``gamma_policy`` (``"fixed"`` / ``"auto"``), ``gamma_per_iteration``,
+        ``gamma_histogram`` (iterations per ``gamma``), with ``"auto"`` also
+        ``acceptance_estimates`` (per draft position), ``cost_t_draft_ms``, ``cost_t_select_ms``,
+        ``cost_t_verify_c0_ms`` / ``cost_t_verify_c1_ms`` (the fitted ``t_verify(q) = c0 + c1 q``)
+        and ``num_probes``; ``num_generated_tokens``, ``num_iterations``, ``tokens_per_s`` (new tokens
         / total time, prefill included), ``decode_tokens_per_s`` (after the first token),
         ``time_total_s``, ``time_prefill_s``, ``time_draft_s``, ``time_verify_s`` (acceptance
         included), ``time_select_s``, and the configuration. Drafts that could never be emitted
@@ -574,6 +623,7 @@ def generate(
     """
     _check_options(
         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
+        max_speculative_tokens=max_speculative_tokens,
         sparse_attn_algorithm=sparse_attn_algorithm, sparse_attn_ratio=sparse_attn_ratio,
         sparse_attn_min_tokens=sparse_attn_min_tokens, sparse_attn_max_tokens=sparse_attn_max_tokens,
         block_size=block_size, num_sink_blocks=num_sink_blocks, selection_refresh_interval=selection_refresh_interval,
@@ -597,7 +647,12 @@ def generate(
         share_selection_across_heads=bool(share_selection_across_heads),
         refresh_interval=int(selection_refresh_interval),
     ))
-    policy = FixedGamma(int(num_speculative_tokens) if strategy.drafts else 0)
+    if not strategy.drafts:
+        policy: GammaPolicy = FixedGamma(0)
+    elif num_speculative_tokens == "auto":
+        policy = AutoGamma(int(max_speculative_tokens))
+    else:
+        policy = FixedGamma(int(num_speculative_tokens))
     gamma = policy.max_gamma
 
     # per-row limits: never past the model's last position
@@ -621,7 +676,8 @@ def generate(
 
     config_used = {
         "sparse_attn_algorithm": sparse_attn_algorithm,
-        "num_speculative_tokens": gamma,
+        "num_speculative_tokens": "auto" if isinstance(policy, AutoGamma) else gamma,
+        "max_speculative_tokens": gamma,
         "sparse_attn_ratio": float(sparse_attn_ratio),
         "sparse_attn_min_tokens": int(sparse_attn_min_tokens),
         "sparse_attn_max_tokens": sparse_attn_max_tokens,
@@ -671,7 +727,7 @@ def generate(
             generator=generator, eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
             sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), limit_new=limit_new,
             new_tokens=torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device),
-            streamer=streamer,
+            streamer=streamer, compact=not return_cache,
         )
         with attn.activate(), _torn_down(strategy, attn):
             strategy.setup(attn)  # inside: teardown runs however the call ends
@@ -687,7 +743,7 @@ def generate(
     inline_total = _move_inline_select_time(stats, strategy, inline_pre)
     if streamer is not None:
         streamer.end()
-    n_gen = state.n_gen
+    n_gen = state.n_gen_all
     stats.num_generated_tokens = int(n_gen.sum())
     out = {**stats.as_dict(t_total, B), **config_used, **policy.stats()}
     out["prefill_reused"] = reused

@@ -30,6 +30,7 @@ class DecodeStats:
         num_iterations: draft-verify iterations after prefill.
         time_prefill_s, time_draft_s, time_verify_s, time_select_s: seconds per phase
             (verification includes acceptance and the cache commit).
+        time_compact_s: seconds spent dropping finished rows from the batch (cache copies).
     """
 
     num_drafts: int = 0
@@ -42,6 +43,7 @@ class DecodeStats:
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_select_s: float = 0.0
+    time_compact_s: float = 0.0
 
     @classmethod
     def for_gamma(cls, gamma: int) -> "DecodeStats":
