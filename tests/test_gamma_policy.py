@@ -134,7 +134,10 @@ def test_auto_greedy_equals_plain_greedy(family, batch, cheap, monkeypatch):
     assert len(s["gamma_per_iteration"]) == s["num_iterations"] == sum(s["gamma_histogram"])
     assert s["gamma_per_iteration"][:2] == [3, 0]  # the warm-up
     if cheap:
-        assert max(s["gamma_per_iteration"]) >= 4 and s["num_accepted_tokens"] > 0
+        gs = s["gamma_per_iteration"]
+        assert max(gs) >= 4 and s["num_accepted_tokens"] > 0
+        # plain steps do not score blocks: drafting after one takes a scoring plain step first
+        assert gs[2] == 0 and all(gs[i - 1] == gs[i - 2] == 0 for i in range(2, len(gs)) if gs[i] and not gs[i - 1])
 
 
 def test_auto_is_the_default_and_full_ignores_it():

@@ -106,6 +106,7 @@ class DecodeState:
         rows: ``[B]`` int64, the caller's row index of each current row.
         compact: whether finished rows leave the batch.
         selected: whether ``attn.block_indices`` were chosen after the latest verification.
+        scores_fresh: whether the latest verification stored block scores (plain steps do not).
         streamer: optional HF streamer (batch size 1).
     """
 
@@ -132,6 +133,7 @@ class DecodeState:
     n_gen_all: Optional[Tensor] = None
     compact: bool = True
     selected: bool = False
+    scores_fresh: bool = True
     streamer: object = None
 
     def forward(self, ids: Tensor, pos: Tensor, keep: int) -> Tensor:
@@ -150,6 +152,10 @@ class DecodeState:
 
 
 # =========================================================================== phases
+#: tokens per block of the score reduction in plain steps, whose scores nobody reads (as "full")
+COARSE_BLOCK_SIZE = 16
+
+
 def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
             prefill_cache: Optional[dict]) -> bool:
     """Fill the cache with each row's prompt but its last ``n0`` tokens (SDPA, or a copy from
@@ -266,18 +272,28 @@ def draft(state: DecodeState, g: int):
     return drafts, q
 
 
-def verify(state: DecodeState, drafts: Tensor) -> Tensor:
+def verify(state: DecodeState, drafts: Tensor, score: bool = True) -> Tensor:
     """One full-attention forward over each row's last token and its drafts (the cache receives
-    their K/V; the verification's block scores land in ``attn.block_scores``). Returns the target
-    logits ``[B, g + 1, V]``."""
+    their K/V). With ``score`` the verification's block scores land in ``attn.block_scores`` for
+    the next selection; without (a plain step whose scores no draft will read) the kernel reduces
+    them over coarse blocks only and nothing is stored. Returns the target logits ``[B, g + 1, V]``."""
     g = drafts.shape[1]
-    state.attn.mode = "verify"
+    st = state.attn
+    st.mode = "verify"
     state.cache.begin_forward(g + 1)
     ids = torch.cat([state.last_tok[:, None], drafts], 1)
     ar = torch.arange(g + 1, device=drafts.device)
     pos = (state.cache.lengths.long()[:, None] + ar[None, :]).clamp(max=state.max_pos - 1)
     state.selected = False
-    return state.forward(ids, pos, 0)
+    scores, block_size = st.block_scores, st.block_size
+    if not score:
+        st.block_scores, st.block_size = None, max(block_size, COARSE_BLOCK_SIZE)
+    try:
+        logits = state.forward(ids, pos, 0)
+    finally:
+        st.block_scores, st.block_size = scores, block_size
+    state.scores_fresh = score
+    return logits
 
 
 def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tensor):
@@ -327,12 +343,32 @@ def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
 
 
 def step(state: DecodeState) -> None:
-    """One iteration: choose ``gamma`` -> select -> draft -> verify -> accept -> commit, timed per
-    phase into ``state.stats`` and reported to the ``gamma`` policy."""
+    """One iteration: choose ``gamma`` -> select -> draft -> verify -> accept -> commit. A plain
+    step (``gamma = 0``) does not score blocks; when drafts follow one and the strategy reads
+    verification scores, a plain step that scores them runs first (an iteration of its own)."""
+    g = state.policy.choose(*_gamma_limits(state))
+    if g and state.strategy.needs_verify_scores and not state.scores_fresh:
+        state.policy.note_plain_step()
+        iterate(state, 0, score=True)
+        if bool(state.done.all()):
+            return
+        g = min(g, _gamma_limits(state)[1])
+    iterate(state, g, score=g > 0)
+
+
+def _gamma_limits(state: DecodeState):
+    """``(caps, limit)`` for the gamma policy: per active row the drafts it could still emit, and
+    the most the batch may draft (also kept inside the model's positions)."""
     active = ~state.done
     caps = (state.limit_new - state.n_gen - 1)[active]
     room = int((state.max_pos - 1 - state.cache.lengths.long())[active].min())
-    g = state.policy.choose(caps, min(int(caps.max()), room))
+    return caps, max(0, min(int(caps.max()), room))
+
+
+def iterate(state: DecodeState, g: int, score: bool = True) -> None:
+    """select (if drafting) -> draft ``g`` -> verify -> accept -> commit, timed per phase into
+    ``state.stats`` and reported to the gamma policy; then finished rows leave the batch."""
+    active = ~state.done
     t0 = time.perf_counter()
     t_sel = 0.0
     if g and not state.selected:
@@ -346,14 +382,15 @@ def step(state: DecodeState) -> None:
     if g:
         state.sync()
     t2 = time.perf_counter()
-    logits = verify(state, drafts)
+    logits = verify(state, drafts, score)
     a, t = accept(state, drafts, q, logits)
     drafted, matched = commit(state, drafts, a, t)
     state.sync()
     t3 = time.perf_counter()
     state.stats.time_draft_s += t2 - t1
     state.stats.time_verify_s += t3 - t2
-    state.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel), drafted[active], matched[active])
+    state.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score),
+                                   drafted[active], matched[active])
     if state.compact and bool(state.done.any()) and not bool(state.done.all()):
         drop_finished_rows(state)
         state.sync()

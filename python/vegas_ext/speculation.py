@@ -25,12 +25,14 @@ __all__ = ["GammaPolicy", "FixedGamma", "AutoGamma", "IterationCosts", "GAMMA_PO
 class IterationCosts:
     """Measured seconds of one iteration's phases: ``draft`` (all ``gamma`` draft steps),
     ``verify`` (one verification forward of ``gamma + 1`` tokens, acceptance included) and
-    ``select`` (the selection before the drafts, 0 if none ran)."""
+    ``select`` (the selection before the drafts, 0 if none ran); ``scored``: whether the
+    verification also scored the KV blocks for a selection (plain steps normally do not)."""
 
     gamma: int
     draft: float
     verify: float
     select: float
+    scored: bool = True
 
 
 class GammaPolicy:
@@ -55,6 +57,11 @@ class GammaPolicy:
             limit: the most drafts the batch may write (``max(caps)`` and the model's last position).
         """
         raise NotImplementedError
+
+    def note_plain_step(self) -> None:
+        """The loop ran a plain step before the iteration just chosen (to score the KV blocks its
+        drafts will attend to): recorded in the history before that choice."""
+        self.history.insert(len(self.history) - 1, 0)
 
     def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
         """After an iteration: its costs and, per active row, ``drafted`` (``[B]`` drafts that
@@ -216,11 +223,12 @@ class AutoGamma(GammaPolicy):
 
     def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
         g = costs.gamma
-        for o in self._verify_obs:
-            o[2] *= self.verify_decay
-        self._verify_obs.append([float(g + 1), float(costs.verify), 1.0])
-        if len(self._verify_obs) > 256:
-            self._verify_obs.pop(0)
+        if g or not costs.scored:  # a plain step that also scored blocks costs more than a plain step
+            for o in self._verify_obs:
+                o[2] *= self.verify_decay
+            self._verify_obs.append([float(g + 1), float(costs.verify), 1.0])
+            if len(self._verify_obs) > 256:
+                self._verify_obs.pop(0)
         if not g:
             return
         ema = lambda old, new: new if old is None else (1 - self.cost_ema) * old + self.cost_ema * new  # noqa: E731
