@@ -433,6 +433,28 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _eos_and_pad(model, eos_token_id, pad_token_id):
+    """``(eos ids, pad id)``: the given ones, else the generation config's / config's (pad: else
+    the first EOS, else 0)."""
+    eos_ids = _as_id_list(eos_token_id if eos_token_id is not None else getattr(model.generation_config, "eos_token_id", None))
+    if pad_token_id is None:
+        pad_token_id = getattr(model.generation_config, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(model.config, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = eos_ids[0] if eos_ids else 0
+    return eos_ids, int(pad_token_id)
+
+
+def _left_aligned(input_ids: Tensor, prompt_lens: Tensor, filler: int) -> Tensor:
+    """``[B, max(prompt_lens)]``: each row's prompt moved to the left, ``filler`` after it."""
+    T = input_ids.shape[1]
+    ar = torch.arange(int(prompt_lens.max()), device=input_ids.device)
+    src = (T - prompt_lens)[:, None] + ar[None, :]
+    aligned = input_ids.gather(1, src.clamp(max=T - 1))
+    return torch.where(ar[None, :] < prompt_lens[:, None], aligned, torch.full_like(aligned, filler))
+
+
 def _as_id_list(x) -> List[int]:
     if x is None:
         return []
@@ -701,15 +723,7 @@ def generate(
     S_max = min(Lmax + max_new_tokens, max_pos) + gamma + 1
     need_ctx = min(Lmax + max_new_tokens, max_pos)
 
-    eos_ids = _as_id_list(eos_token_id if eos_token_id is not None else getattr(model.generation_config, "eos_token_id", None))
-    if pad_token_id is None:
-        pad_token_id = getattr(model.generation_config, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = getattr(config, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = eos_ids[0] if eos_ids else 0
-    pad_token_id = int(pad_token_id)
-    filler = pad_token_id if 0 <= pad_token_id < int(config.vocab_size) else 0
+    eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
 
     config_used = {
         "sparse_attn_algorithm": sparse_attn_algorithm,
@@ -737,11 +751,8 @@ def generate(
     if max_new_tokens == 0:
         return GenerateOutput(sequences=input_ids.clone(), stats={**stats.as_dict(0.0, 0), **config_used})
 
-    # left-aligned prompts
-    ar_l = torch.arange(Lmax, device=device)
-    src = (T - prompt_lens)[:, None] + ar_l[None, :]
-    aligned = input_ids.gather(1, src.clamp(max=T - 1))
-    aligned = torch.where(ar_l[None, :] < prompt_lens[:, None], aligned, torch.full_like(aligned, filler))
+    filler = pad_token_id if 0 <= pad_token_id < int(config.vocab_size) else 0
+    aligned = _left_aligned(input_ids, prompt_lens, filler)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
