@@ -20,7 +20,7 @@ CAPS = torch.tensor([100, 100])
 
 
 def _feed(p, g, t_draft, c0, c1, drafted, accepted, t_select=0.0):
-    p.observe_iteration(IterationCosts(g, g * t_draft, c0 + c1 * (g + 1), t_select if g else 0.0),
+    p.observe_iteration(IterationCosts(g, g * t_draft, c0 + c1 * (g + 1), t_select if g else 0.0, scored=g > 0),
                         torch.tensor(drafted), torch.tensor(accepted))
 
 
@@ -113,8 +113,8 @@ class _CheapDrafts(AutoGamma):
 
     def observe_iteration(self, costs, drafted, accepted):
         g = costs.gamma
-        super().observe_iteration(IterationCosts(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0),
-                                  drafted, accepted)
+        super().observe_iteration(IterationCosts(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0,
+                                                 scored=costs.scored), drafted, accepted)
 
 
 @pytest.mark.parametrize("cheap", [False, True], ids=["measured", "cheap_drafts"])

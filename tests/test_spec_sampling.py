@@ -234,8 +234,8 @@ class _AutoCheapDrafts(decode.AutoGamma):
 
     def observe_iteration(self, costs, drafted, accepted):
         g = costs.gamma
-        super().observe_iteration(type(costs)(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0),
-                                  drafted, accepted)
+        super().observe_iteration(type(costs)(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0,
+                                              scored=costs.scored), drafted, accepted)
 
 
 @pytest.mark.parametrize("policy", ["measured", "cheap_drafts"])

@@ -113,10 +113,14 @@ class AutoGamma(GammaPolicy):
       ``acceptance_decay`` per iteration, with a prior of ``prior_weight`` pseudo-trials at
       ``prior_acceptance`` for position 1 and at the estimate of position ``i - 1`` for
       position ``i``);
-    * cost: ``g * t_draft + t_verify(g + 1) + (t_select if g > 0)``, with ``t_draft`` (one draft
-      step) and ``t_select`` exponential moving averages (weight ``cost_ema``) of the loop's own
-      timings and ``t_verify(q) = c0 + c1 * q`` a least-squares fit of the verification passes
-      seen (weights forgotten by ``verify_decay`` per pass). ``g = 0`` is a plain step through the
+    * cost: ``g * t_draft + t_verify(g + 1) + (t_select if g > 0)``, from the loop's own timings.
+      Every timing is divided by the current plain-step time ``t_plain`` (a moving average, weight
+      ``cost_ema``, of the plain steps' verification times; the plain step right before a
+      speculative iteration is adjacent in time), so that a machine that slows down or speeds up
+      between plain and speculative iterations does not bias the comparison; ``t_draft`` and
+      ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
+      a least-squares fit through the median ratio of the last ``window`` verification passes of
+      each ``q`` (weighted by their count), ``c0, c1 >= 0``. ``g = 0`` is a plain step through the
       same verification kernel: its cost is ``t_verify(1)``.
 
     Warm-up: the first iteration drafts ``first_gamma`` tokens and the second none, so that both
@@ -126,26 +130,28 @@ class AutoGamma(GammaPolicy):
     speculation back on doubles the interval, up to ``max_probe_interval``.
 
     Lossless whatever it picks: the choice depends on past timings and acceptances only.
-    Sources: the policy's cost model follows SpecDec-style analyses (Leviathan et al., ICML 2023,
-    expected tokens ``(1 - a^(g+1)) / (1 - a)`` for a constant ``a``) with per-position rates.
+    The expected-tokens formula generalizes ``(1 - a^(g+1)) / (1 - a)`` of Leviathan et al.
+    (ICML 2023) to per-position rates.
     """
 
     def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 2.0,
-                 acceptance_decay: float = 0.9, verify_decay: float = 0.95, cost_ema: float = 0.3,
+                 acceptance_decay: float = 0.9, cost_ema: float = 0.5, window: int = 5,
                  first_gamma: int = 3, probe_interval: int = 4, max_probe_interval: int = 32):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
             raise ValueError(f"max_speculative_tokens must be >= 1 with num_speculative_tokens='auto', got {max_gamma}")
         self.prior_acceptance, self.prior_weight = float(prior_acceptance), float(prior_weight)
-        self.acceptance_decay, self.verify_decay, self.cost_ema = acceptance_decay, verify_decay, cost_ema
+        self.acceptance_decay, self.cost_ema, self.window = acceptance_decay, cost_ema, int(window)
         self.first_gamma = max(1, min(int(first_gamma), self.max_gamma))
         self.min_probe_interval = self.probe_interval = int(probe_interval)
         self.max_probe_interval = int(max_probe_interval)
         self.tries = [0.0] * self.max_gamma
         self.successes = [0.0] * self.max_gamma
-        self.t_draft: Optional[float] = None
-        self.t_select: Optional[float] = None
-        self._verify_obs: List[List[float]] = []  # [q, seconds, weight]
+        self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
+        self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
+        self._select_ratios: List[float] = []
+        self._verify_ratios: Dict[int, List[float]] = {}  # q -> verify(q) / t_plain, last `window`
+        self._pending: List[IterationCosts] = []  # timed before the first plain step
         self.num_probes = 0
         self._plain_run = 0
 
@@ -159,33 +165,42 @@ class AutoGamma(GammaPolicy):
             prior = a
         return out
 
-    def verify_fit(self) -> Tuple[float, float]:
-        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` (weighted least squares, both >= 0;
-        ``c1 = 0`` until two different ``q`` were timed). ``(0, 0)`` before any verification."""
-        obs = self._verify_obs
-        if not obs:
-            return 0.0, 0.0
-        sw = sum(w for _, _, w in obs)
-        mq = sum(q * w for q, _, w in obs) / sw
-        mt = sum(t * w for _, t, w in obs) / sw
-        vq = sum(w * (q - mq) ** 2 for q, _, w in obs)
+    def _verify_fit_ratio(self) -> Tuple[float, float]:
+        pts = [(q, _median(v), len(v)) for q, v in self._verify_ratios.items() if v]
+        if not pts:
+            return 1.0, 0.0
+        sw = sum(w for _, _, w in pts)
+        mq = sum(q * w for q, _, w in pts) / sw
+        mt = sum(t * w for _, t, w in pts) / sw
+        vq = sum(w * (q - mq) ** 2 for q, _, w in pts)
         if vq <= 1e-12 * sw:
             return mt, 0.0
-        c1 = sum(w * (q - mq) * (t - mt) for q, t, w in obs) / vq
+        c1 = sum(w * (q - mq) * (t - mt) for q, t, w in pts) / vq
         c0 = mt - c1 * mq
         if c1 < 0:
             return mt, 0.0
         if c0 < 0:
-            return 0.0, sum(w * q * t for q, t, w in obs) / sum(w * q * q for q, _, w in obs)
+            return 0.0, sum(w * q * t for q, t, w in pts) / sum(w * q * q for q, _, w in pts)
         return c0, c1
 
-    def cost(self, g: int) -> float:
-        """Predicted seconds of an iteration with ``g`` drafts."""
-        c0, c1 = self.verify_fit()
+    def verify_fit(self) -> Tuple[float, float]:
+        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` at the current ``t_plain`` (``c1 = 0``
+        until two different ``q`` were timed; ``(0, 0)`` before any plain step)."""
+        c0, c1 = self._verify_fit_ratio()
+        tp = self.t_plain or 0.0
+        return c0 * tp, c1 * tp
+
+    def relative_cost(self, g: int) -> float:
+        """Predicted time of an iteration with ``g`` drafts, in plain steps."""
+        c0, c1 = self._verify_fit_ratio()
         c = c0 + c1 * (g + 1)
         if g:
-            c += g * (self.t_draft or 0.0) + (self.t_select or 0.0)
+            c += g * _median(self._draft_ratios, 0.0) + _median(self._select_ratios, 0.0)
         return c
+
+    def cost(self, g: int) -> float:
+        """Predicted seconds of an iteration with ``g`` drafts (at the current ``t_plain``)."""
+        return self.relative_cost(g) * (self.t_plain or 0.0)
 
     def expected_tokens(self, g: int, caps: Tensor) -> float:
         """Expected emitted tokens of the batch with ``g`` drafts (rows capped at ``caps``)."""
@@ -204,10 +219,10 @@ class AutoGamma(GammaPolicy):
             g = 0
         elif it == 0:
             g = min(self.first_gamma, hi)
-        elif it == 1:
+        elif it == 1 or self.t_plain is None:
             g = 0
         else:
-            rate = [self.expected_tokens(g, caps) / max(self.cost(g), 1e-12) for g in range(hi + 1)]
+            rate = [self.expected_tokens(g, caps) / max(self.relative_cost(g), 1e-12) for g in range(hi + 1)]
             g = max(range(hi + 1), key=lambda i: rate[i])
             if g > 0:
                 self._plain_run, self.probe_interval = 0, self.min_probe_interval
@@ -221,20 +236,33 @@ class AutoGamma(GammaPolicy):
         self.history.append(g)
         return g
 
+    def _push(self, xs: List[float], x: float) -> None:
+        xs.append(x)
+        del xs[: -self.window]
+
+    def _observe_costs(self, c: IterationCosts) -> None:
+        if c.gamma == 0:
+            if c.scored and self.t_plain is not None:  # scoring blocks costs more than a plain step
+                return
+            self.t_plain = c.verify if self.t_plain is None else (1 - self.cost_ema) * self.t_plain + self.cost_ema * c.verify
+            pending, self._pending = self._pending, []
+            for p in pending:
+                self._observe_costs(p)
+        elif self.t_plain is None:
+            self._pending.append(c)
+            return
+        tp = self.t_plain
+        self._push(self._verify_ratios.setdefault(c.gamma + 1, []), c.verify / tp)
+        if c.gamma:
+            self._push(self._draft_ratios, c.draft / c.gamma / tp)
+            if c.select > 0:
+                self._push(self._select_ratios, c.select / tp)
+
     def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
+        self._observe_costs(costs)
         g = costs.gamma
-        if g or not costs.scored:  # a plain step that also scored blocks costs more than a plain step
-            for o in self._verify_obs:
-                o[2] *= self.verify_decay
-            self._verify_obs.append([float(g + 1), float(costs.verify), 1.0])
-            if len(self._verify_obs) > 256:
-                self._verify_obs.pop(0)
         if not g:
             return
-        ema = lambda old, new: new if old is None else (1 - self.cost_ema) * old + self.cost_ema * new  # noqa: E731
-        self.t_draft = ema(self.t_draft, costs.draft / g)
-        if costs.select > 0:
-            self.t_select = ema(self.t_select, costs.select)
         d, a = drafted.tolist(), accepted.tolist()
         for i in range(self.max_gamma):
             self.tries[i] = self.acceptance_decay * self.tries[i] + sum(1 for dr, ac in zip(d, a) if dr > i and ac >= i)
@@ -242,12 +270,23 @@ class AutoGamma(GammaPolicy):
 
     def stats(self) -> dict:
         c0, c1 = self.verify_fit()
+        tp = self.t_plain
+        ms = lambda r: None if tp is None or r is None else 1000 * r * tp  # noqa: E731
         return {
             **super().stats(),
             "acceptance_estimates": [round(x, 4) for x in self.acceptance()],
-            "cost_t_draft_ms": None if self.t_draft is None else 1000 * self.t_draft,
-            "cost_t_select_ms": None if self.t_select is None else 1000 * self.t_select,
+            "cost_t_plain_ms": None if tp is None else 1000 * tp,
+            "cost_t_draft_ms": ms(_median(self._draft_ratios, None)),
+            "cost_t_select_ms": ms(_median(self._select_ratios, None)),
             "cost_t_verify_c0_ms": 1000 * c0,
             "cost_t_verify_c1_ms": 1000 * c1,
             "num_probes": self.num_probes,
         }
+
+
+def _median(xs: List[float], empty=None):
+    if not xs:
+        return empty
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
