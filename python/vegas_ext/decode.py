@@ -665,16 +665,17 @@ def generate(
       selection cost of ~1.5 % of an iteration (one ``block_topk`` over all layers) and, after
       the block-score reduction was reworked, ~15 % more ``verify_attention`` time than 16-token
       blocks. Quest and StreamingLLM keep 16-token blocks (Quest's pages).
-    * ``num_speculative_tokens=6`` (the paper's setting, kept as the API default): with the cost
-      model ``tau * t_plain / (gamma * t_draft + t_verify + t_select)`` on measured step costs (plain
-      / draft / verify-of-7 = 365 / 104 / 699 ms at 8K, batch 4; 86 / 57 / 165 ms at 4K, batch 1),
-      gamma 2-4 is best on this CPU and 6 is 5-15 % behind it, because verifying gamma+1 tokens is
-      not free here (small-M GEMMs are compute-bound: verify-of-7 ~ 2 plain steps) and a 135M
-      model's draft step reads all the weights like a plain step. Measured end to end at 4K,
-      batch 1 (decode only, 1 thread): ``"full"`` 10.4 tok/s, gamma 6 8.1 tok/s (tau 5.9), gamma 3
-      12.4 tok/s (tau 3.8). Pass ``num_speculative_tokens=3`` on CPU; keep 6 where verification is
-      nearly free (GPU, the paper's setup). At 2K, batch 1 no gamma wins by more than ~6 %: use
-      ``"full"`` there.
+    * ``num_speculative_tokens="auto"``, ``max_speculative_tokens=8``: whether speculation pays
+      depends on the machine, the context, the batch and the text, and a fixed gamma loses where
+      it does not. With the cost model ``tau * t_plain / (gamma * t_draft + t_verify + t_select)``
+      on measured step costs (plain / draft / verify-of-7 = 365 / 104 / 699 ms at 8K, batch 4;
+      86 / 57 / 165 ms at 4K, batch 1; 1 thread) gamma 2-4 is best on this CPU and 6 is 5-15 %
+      behind it, because verifying gamma+1 tokens is not free here and a 135M model's draft step
+      reads all the weights like a plain step; at 2K no gamma wins by more than ~6 %. ``"auto"``
+      measures those costs as it decodes and picks the gamma (0 = a plain step) with the most
+      expected tokens per second before every iteration; the measurements behind this default
+      are in ``bench/results/auto_gamma_cpu`` (``bench/gamma_report.py``). The paper's gamma 6
+      remains available as ``num_speculative_tokens=6``.
     * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
       (``query_weights="all"``): within sampling error of the authors' shared / first-and-last
       choices (same run: shared 4.93, shared + first/last 4.88, default 4.87, first/last alone
