@@ -500,7 +500,7 @@ def main(argv=None) -> int:
                         # the gamma policy's choices and (auto) its estimates; fitted costs as fitted_*
                         **{("fitted_" + k if k.startswith("cost_") else k): s.get(k)
                            for k in ("gamma_policy", "gamma_histogram", "gamma_per_iteration", "acceptance_estimates",
-                                     "cost_t_draft_ms", "cost_t_select_ms", "cost_t_verify_c0_ms",
+                                     "cost_t_plain_ms", "cost_t_draft_ms", "cost_t_select_ms", "cost_t_verify_c0_ms",
                                      "cost_t_verify_c1_ms", "num_probes")
                            if k in s and c["algorithm"] not in ("hf", "full")},
                         **cost_model(s, c, full_it),

@@ -11,7 +11,8 @@ Usage::
 
     python bench/gamma_report.py bench/results/auto_gamma_cpu/*/runs.jsonl --out bench/results/auto_gamma_cpu
 
-Writes ``<out>/summary.md`` (also printed) and ``<out>/gamma_per_iteration.png`` (all auto runs).
+Writes ``<out>/summary.md`` (also printed) and ``<out>/gamma_per_iteration.png`` (all auto runs);
+use a folder of its own (not one of the e2e runs', whose summary.md it would replace).
 """
 from __future__ import annotations
 
@@ -135,12 +136,7 @@ def main(argv=None) -> int:
         try:
             import plots
 
-            auto = [r for r in records if r.get("gamma_policy") == "auto"]
-            for p in plots.write_plots(auto, args.out):
-                if p.endswith("gamma_per_iteration.png"):
-                    print(f"plot: {p}", file=sys.stderr)
-                else:
-                    os.remove(p)
+            print(f"plot: {plots.gamma_plot(records, args.out)}", file=sys.stderr)
         except ImportError as e:
             print(f"plot skipped: {e}", file=sys.stderr)
     return 0

@@ -26,7 +26,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import matplotlib
 
@@ -194,8 +194,16 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
         ax.grid(alpha=0.3, axis="x")
         paths.append(_save(fig, os.path.join(out_dir, "selection_overhead.png")))
 
-    # 5. the gamma an automatic policy chose per iteration, one panel per (context, batch)
-    auto = [r for r in spec if r.get("gamma_policy") == "auto" and r.get("gamma_per_iteration")]
+    p = gamma_plot(spec, out_dir)
+    if p:
+        paths.append(p)
+    return paths
+
+
+def gamma_plot(records: List[Dict[str, Any]], out_dir: str) -> Optional[str]:
+    """``gamma_per_iteration.png``: the gamma ``num_speculative_tokens=auto`` chose at every
+    iteration, one panel per (context, batch), one line per run; ``None`` without such runs."""
+    auto = [r for r in records if r.get("gamma_policy") == "auto" and r.get("gamma_per_iteration")]
     if auto:
         cells = sorted({(r["context"], r["batch_size"]) for r in auto})
         fig, axes = _facets(len(cells), w=5.0)
@@ -208,9 +216,9 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
             _label_panel(ax, f"context {ctx}, batch {B}", "iteration", "γ chosen")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        paths.append(_save_facets(fig, axes, "γ chosen per iteration (num_speculative_tokens=auto)",
-                                  os.path.join(out_dir, "gamma_per_iteration.png")))
-    return paths
+        return _save_facets(fig, axes, "γ chosen per iteration (num_speculative_tokens=auto)",
+                            os.path.join(out_dir, "gamma_per_iteration.png"))
+    return None
 
 
 def main(argv=None) -> int:
