@@ -55,14 +55,16 @@ DEFAULT_CONTEXTS = "2048,4096,8192"
 
 # ------------------------------------------------------------------------------------ helpers
 
-def _csv(type_):
+def _csv(type_, words=()):
     def parse(s: str):
         out = []
         for x in s.split(","):
             x = x.strip()
             if not x:
                 continue
-            if type_ is int and x.lower().endswith("k"):
+            if x in words:
+                out.append(x)
+            elif type_ is int and x.lower().endswith("k"):
                 out.append(int(float(x[:-1]) * 1024))
             else:
                 out.append(type_(x))
@@ -170,9 +172,10 @@ def run_hf(model, ids, mask, max_new: int, pad_id: int, prefill_cache: Optional[
     kw = {}
     B, T = ids.shape
     pc = prefill_cache
+    from vegas_ext.decode import _cache_kwarg, prefill_cache_is_for
+
     if (pc and pc.get("ids") is not None and bool(mask.all()) and pc["ids"].shape == (B, T - 1)
-            and torch.equal(pc["ids"], ids[:, :T - 1])):
-        from vegas_ext.decode import _cache_kwarg
+            and torch.equal(pc["ids"], ids[:, :T - 1]) and prefill_cache_is_for(pc, model)):
 
         kw[_cache_kwarg(model)] = DynamicCache([(k.clone(), v.clone()) for k, v in zip(pc["k"], pc["v"])])
     sync(ids.device)
@@ -199,7 +202,7 @@ def run_hf(model, ids, mask, max_new: int, pad_id: int, prefill_cache: Optional[
     }
 
 
-def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma: int, ratio: float,
+def run_ours(model, ids, mask, max_new: int, pad_id: int, algorithm: str, gamma, ratio: float,
              block_size: int, extra: Dict[str, Any]) -> Dict[str, Any]:
     """Our decode loop (``vegas_ext.generate``), greedy, EOS ignored; ``extra`` holds further
     ``generate`` options (``query_weights``, ``share_selection_across_heads``,
@@ -239,12 +242,12 @@ def cost_model(s: Dict[str, Any], c: Dict[str, Any], t_full: Optional[float]) ->
     it = s.get("num_iterations")
     if c["algorithm"] in ("hf", "full") or not it or s.get("time_draft_s") is None:
         return out
-    g = c.get("num_speculative_tokens") or 0
+    steps = sum(s.get("gamma_per_iteration") or []) or None  # draft steps run (fixed or auto gamma)
     td = s["time_draft_s"] / it
     tv = s["time_verify_s"] / it
     tsel = (s["time_select_s"] - (s.get("time_select_prefill_s") or 0.0)) / it
     t_it = (s["time_total_s"] - (s.get("time_prefill_s") or 0.0)) / it
-    out.update(cost_gamma_t_draft_ms=1000 * td, cost_t_draft_step_ms=1000 * td / g if g else None,
+    out.update(cost_gamma_t_draft_ms=1000 * td, cost_t_draft_step_ms=1000 * s["time_draft_s"] / steps if steps else None,
                cost_t_verify_ms=1000 * tv, cost_t_select_ms=1000 * tsel,
                select_overhead_share=tsel / t_it if t_it > 0 else None)
     tau = s.get("mean_acceptance_length")
@@ -278,7 +281,10 @@ def parse_args(argv=None):
                          "optionally with options after slashes: vegas/first_last, vegas/shared, vegas/refresh=4, "
                          "vegas/bs=64 (overrides --block-sizes), combinable (vegas/shared/first_last) "
                          "(default hf,full,vegas)")
-    ap.add_argument("--num-speculative-tokens", type=_csv(int), default=[6], help="gamma values for sparse algorithms (default 6)")
+    ap.add_argument("--num-speculative-tokens", type=_csv(int, ("auto",)), default=["auto"],
+                    help="gamma values for sparse algorithms: integers and/or auto (chosen per iteration, "
+                         "up to --max-speculative-tokens), e.g. auto,2,3,4,6 (default auto)")
+    ap.add_argument("--max-speculative-tokens", type=int, default=8, help="largest gamma of auto (default 8)")
     ap.add_argument("--ratios", type=_csv(float), default=[0.05], help="KV budget ratios (default 0.05)")
     ap.add_argument("--block-sizes", type=_csv(int), default=[None],
                     help="block sizes (default: each algorithm's own, 1 for vegas and 16 for streamingllm / quest)")
@@ -423,7 +429,8 @@ def main(argv=None) -> int:
         if c["algorithm"] == "hf":
             return run_hf(model, ids, mask, max_new, pad_id, prefill_cache=pc)
         g = c["num_speculative_tokens"] or 0
-        extra = {"sparse_attn_min_tokens": args.min_tokens, "prefill_cache": pc}
+        extra = {"sparse_attn_min_tokens": args.min_tokens, "prefill_cache": pc,
+                 "max_speculative_tokens": args.max_speculative_tokens}
         if c["algorithm"] != "full":
             extra.update(share_selection_across_heads=c["share_selection_across_heads"],
                          query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"])
@@ -442,7 +449,8 @@ def main(argv=None) -> int:
     runs_path = os.path.join(out_dir, "runs.jsonl")
     with open(runs_path, "a") as runs_f:
         for doc, ctx_req, B in cells:
-            ctx = min(ctx_req, max_pos - args.max_new_tokens - max(args.num_speculative_tokens) - 1)
+            g_max = max(args.max_speculative_tokens if g == "auto" else g for g in args.num_speculative_tokens)
+            ctx = min(ctx_req, max_pos - args.max_new_tokens - g_max - 1)
             ids, mask = build_batch(tok, doc, ctx, B, args.chat)
             ids, mask = ids.to(device), mask.to(device)
             pc: Optional[dict] = None
@@ -491,6 +499,12 @@ def main(argv=None) -> int:
                         "cell_prefill_s": t_pf if pc is not None else None,
                         "time_select_inline_s": s.get("time_select_inline_s"),
                         "time_select_prefill_s": s.get("time_select_prefill_s"),
+                        # the gamma policy's choices and (auto) its estimates; fitted costs as fitted_*
+                        **{("fitted_" + k if k.startswith("cost_") else k): s.get(k)
+                           for k in ("gamma_policy", "gamma_histogram", "gamma_per_iteration", "acceptance_estimates",
+                                     "cost_t_plain_ms", "cost_t_draft_ms", "cost_t_select_ms", "cost_t_verify_c0_ms",
+                                     "cost_t_verify_c1_ms", "num_probes")
+                           if k in s and c["algorithm"] not in ("hf", "full")},
                         **cost_model(s, c, full_it),
                         **env,
                     }

@@ -10,7 +10,9 @@ Writes, into the results folder:
   plain decoding (``hf``, ``full``) in every panel;
 * ``per_position_acceptance.png``: fraction of drafts whose j-th token was accepted, one panel per
   gamma, one line per configuration;
-* ``selection_overhead.png``: selection time as a share of an iteration, per configuration.
+* ``selection_overhead.png``: selection time as a share of an iteration, per configuration;
+* ``gamma_per_iteration.png``: the gamma ``num_speculative_tokens=auto`` chose at every iteration,
+  one panel per (context, batch), one line per run.
 
 Colour = algorithm, line style = gamma.
 
@@ -24,7 +26,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import matplotlib
 
@@ -60,6 +62,11 @@ def _algo(r: Dict[str, Any]) -> str:
     return r["algorithm"] + (f"/{r['variant']}" if r.get("variant") else "")
 
 
+def _gamma_key(g):
+    """Sort key of a ``num_speculative_tokens`` value: integers first, then ``"auto"``."""
+    return (1, 0) if isinstance(g, str) else (0, g)
+
+
 def _style(r: Dict[str, Any], gammas: List[int], algos: List[str]):
     """Colour by algorithm (variants get their own), line style by gamma."""
     a = _algo(r)
@@ -93,12 +100,12 @@ def _save_facets(fig, axes, title: str, path: str) -> str:
 
 
 def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
-    """Write the four PNGs for ``records`` (dicts as in ``runs.jsonl``) into ``out_dir``; returns their
+    """Write the PNGs (up to five) for ``records`` (dicts as in ``runs.jsonl``) into ``out_dir``; returns their
     paths (a plot without data is skipped). Several contexts / batch sizes / ratios / gammas are
     drawn as small multiples, one panel per cell, colour = algorithm, line style = gamma."""
     paths = []
     spec = [r for r in records if r.get("algorithm") not in _SPEC and r.get("mean_acceptance_length") is not None]
-    gammas = sorted({r.get("num_speculative_tokens") or 0 for r in spec})
+    gammas = sorted({r.get("num_speculative_tokens") or 0 for r in spec}, key=_gamma_key)
     algos = sorted({_algo(r) for r in records})
 
     # 1. MAL vs ratio, one panel per (context, batch)
@@ -156,10 +163,10 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
         a[1] += r["num_drafts"]
         a[2] = r
     if acc:
-        gs = sorted({g for g, _ in acc})
+        gs = sorted({g for g, _ in acc}, key=_gamma_key)
         fig, axes = _facets(len(gs))
         for ax, g in zip(axes, gs):
-            for (gg, key), (pp, n, r) in sorted(acc.items()):
+            for (gg, key), (pp, n, r) in sorted(acc.items(), key=lambda kv: (_gamma_key(kv[0][0]), kv[0][1])):
                 if gg != g:
                     continue
                 color, ls = _style(r, gammas, algos)
@@ -186,7 +193,32 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
         ax.set_title("Selection overhead")
         ax.grid(alpha=0.3, axis="x")
         paths.append(_save(fig, os.path.join(out_dir, "selection_overhead.png")))
+
+    p = gamma_plot(spec, out_dir)
+    if p:
+        paths.append(p)
     return paths
+
+
+def gamma_plot(records: List[Dict[str, Any]], out_dir: str) -> Optional[str]:
+    """``gamma_per_iteration.png``: the gamma ``num_speculative_tokens=auto`` chose at every
+    iteration, one panel per (context, batch), one line per run; ``None`` without such runs."""
+    auto = [r for r in records if r.get("gamma_policy") == "auto" and r.get("gamma_per_iteration")]
+    if auto:
+        cells = sorted({(r["context"], r["batch_size"]) for r in auto})
+        fig, axes = _facets(len(cells), w=5.0)
+        for ax, (ctx, B) in zip(axes, cells):
+            for r in auto:
+                if (r["context"], r["batch_size"]) == (ctx, B):
+                    gs = r["gamma_per_iteration"]
+                    ax.step(range(1, len(gs) + 1), gs, where="mid", alpha=0.8,
+                            label=f"{r['doc']} rep {r['repeat']} ({_base_label(r)})")
+            _label_panel(ax, f"context {ctx}, batch {B}", "iteration", "γ chosen")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        return _save_facets(fig, axes, "γ chosen per iteration (num_speculative_tokens=auto)",
+                            os.path.join(out_dir, "gamma_per_iteration.png"))
+    return None
 
 
 def main(argv=None) -> int:

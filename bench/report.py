@@ -100,7 +100,9 @@ def grid_cells(records: List[Dict[str, Any]]) -> Dict[Tuple, Dict[str, List[Dict
             continue
         key = (r["context_requested"], r["batch_size"], r["num_speculative_tokens"], r["sparse_attn_ratio"])
         cells[key][algo_name(r, multi)].append(r)
-    return dict(sorted(cells.items()))
+    # gamma may be "auto" next to integers: integers first
+    return dict(sorted(cells.items(), key=lambda kv: tuple((1, 0, x) if isinstance(x, str) else (0, x, "")
+                                                           for x in kv[0])))
 
 
 def report_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]) -> str:

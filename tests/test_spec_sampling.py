@@ -221,3 +221,42 @@ def test_sampling_is_reproducible_with_a_generator():
     c = vegas_ext.generate(model, prompt, generator=torch.Generator().manual_seed(6), **kw).sequences
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+class _AutoCheapDrafts(decode.AutoGamma):
+    """``"auto"`` fed synthetic costs under which speculation pays, and no plain warm-up step:
+    it drafts whenever a row may still emit a draft, as many as its acceptance estimates favour."""
+
+    def choose(self, caps, limit):
+        if len(self.history) == 1:
+            self.history.append(0)  # skip the plain warm-up iteration
+        return super().choose(caps, limit)
+
+    def observe_iteration(self, costs, drafted, accepted):
+        g = costs.gamma
+        super().observe_iteration(type(costs)(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0,
+                                              scored=costs.scored), drafted, accepted)
+
+
+@pytest.mark.parametrize("policy", ["measured", "cheap_drafts"])
+def test_generate_sampling_with_auto_gamma_matches_target_distribution(policy, monkeypatch):
+    """``num_speculative_tokens="auto"`` chooses gamma from past acceptance and timings only, so
+    the sampled tokens keep the target distribution whatever it picks."""
+    if policy == "cheap_drafts":
+        monkeypatch.setattr(decode, "AutoGamma", _AutoCheapDrafts)
+    model = _small_model()
+    prompt = torch.randint(0, V_SMALL, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    joint = _exact_joint(model, prompt, make_warpers(0.8, 4, 0.9))
+    out = vegas_ext.generate(
+        model, prompt.expand(N_ROWS, -1), max_new_tokens=K_NEW, num_speculative_tokens="auto",
+        max_speculative_tokens=4, sparse_attn_ratio=0.01, sparse_attn_min_tokens=0, block_size=4,
+        do_sample=True, temperature=0.8, top_k=4, top_p=0.9, eos_token_id=[],
+        generator=torch.Generator().manual_seed(3),
+    )
+    s = out.stats
+    assert s["gamma_policy"] == "auto" and max(s["gamma_per_iteration"]) >= 1
+    assert 0.05 < s["draft_acceptance_rate"] < 0.95, s["draft_acceptance_rate"]
+    new = out.sequences[:, PROMPT:]
+    counts = torch.bincount((new * torch.tensor([V_SMALL**2, V_SMALL, 1])).sum(1), minlength=V_SMALL**K_NEW)
+    pv = chi2_pvalue(counts, joint)
+    assert pv > P_MIN, f"chi-square p-value {pv:.2e}"

@@ -201,6 +201,22 @@ class VegasCache(Cache):
 
     rollback = commit  # rolling back is committing a smaller length: nothing moves
 
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only the rows ``rows`` (``[B']`` int64 indices into the current rows, ascending,
+        ``B' >= 1``), in that order: every layer's buffers become ``[B', H_kv, S_max, D]`` copies
+        of those rows (the old buffers are freed), ``lengths`` follow. Used by the decode loop to
+        drop finished rows, so that later forwards cost only the rows still decoding."""
+        rows = rows.to(device=self.device, dtype=torch.long)
+        if rows.dim() != 1 or rows.numel() < 1:
+            raise ValueError(f"VegasCache.keep_rows: rows must be a non-empty 1-D index tensor, got shape {tuple(rows.shape)}")
+        for layer in self.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+            layer.batch_size = layer.keys.shape[0]
+        self._row_idx = torch.arange(rows.numel(), device=self.device).unsqueeze(1)
+        self._write_pos = None
+        self.commit(self.lengths.index_select(0, rows))
+
     def reset(self) -> None:
         """Forget every row (lengths 0). The buffers keep their (stale) contents."""
         self.commit(torch.zeros_like(self.lengths))

@@ -92,9 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = g.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=_int("--max-new-tokens"), default=128,
                    help="new tokens per row (default 128)")
-    d.add_argument("--num-speculative-tokens", "--gamma", dest="num_speculative_tokens",
-                   type=_int("--num-speculative-tokens"), default=6,
-                   help="draft tokens per iteration, gamma (default 6)")
+    d.add_argument("--num-speculative-tokens", "--gamma", dest="num_speculative_tokens", default="auto",
+                   help="draft tokens per iteration, gamma: an integer >= 1, or auto (default): chosen before "
+                        "every iteration from the measured acceptance and step costs, 0 (plain step) .. "
+                        "--max-speculative-tokens")
+    d.add_argument("--max-speculative-tokens", type=_int("--max-speculative-tokens"), default=8,
+                   help="largest gamma of --num-speculative-tokens auto (default 8)")
     d.add_argument("--algorithm", default="vegas",
                    help="sparse_attn_algorithm: vegas (default), streamingllm, quest, or full (plain decoding through our cache and kernels)")
     d.add_argument("--ratio", type=float, default=0.05, help="KV budget as a fraction of the context, in (0, 1] (default 0.05)")
@@ -135,8 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _validate(args) -> None:
     """Range and choice checks that need no torch (so a bad flag fails in well under a second)."""
-    if args.num_speculative_tokens < 1:
-        raise CLIError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if args.num_speculative_tokens != "auto":
+        try:
+            args.num_speculative_tokens = int(args.num_speculative_tokens)
+        except ValueError:
+            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {args.num_speculative_tokens!r}") from None
+        if args.num_speculative_tokens < 1:
+            raise CLIError(f"--num-speculative-tokens must be >= 1 or auto, got {args.num_speculative_tokens}")
+    if args.max_speculative_tokens < 1:
+        raise CLIError(f"--max-speculative-tokens must be >= 1, got {args.max_speculative_tokens}")
     if not (0.0 < args.ratio <= 1.0) or math.isnan(args.ratio):
         raise CLIError(f"--ratio must be in (0, 1], got {args.ratio}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -586,6 +596,15 @@ def _fmt_stats(stats: Dict[str, Any]) -> List[str]:
         per = stats.get("num_accepted_tokens_per_pos")
         if per is not None:
             lines.append(f"accepted per pos.    {_jsonable(per)}")
+    if stats.get("gamma_histogram") is not None:
+        label = f"gamma ({stats.get('gamma_policy')})"
+        lines.append(f"{label:<21}iterations per gamma 0..{len(stats['gamma_histogram']) - 1}: "
+                     f"{_jsonable(stats['gamma_histogram'])}")
+    if stats.get("acceptance_estimates") is not None:
+        lines.append(f"accept. estimates    {_jsonable(stats['acceptance_estimates'])} (per draft position)")
+        lines.append(f"fitted costs         draft step {g('cost_t_draft_ms', '{:.1f}')} ms, verify(q) "
+                     f"{g('cost_t_verify_c0_ms', '{:.1f}')} + {g('cost_t_verify_c1_ms', '{:.1f}')} q ms, "
+                     f"select {g('cost_t_select_ms', '{:.1f}')} ms; {g('num_probes', '{}')} probes")
     parts = [f"{k[5:-2]} {stats[k]:.2f}s" for k in ("time_prefill_s", "time_draft_s", "time_verify_s", "time_select_s")
              if isinstance(stats.get(k), (int, float))]
     if parts:
@@ -674,6 +693,7 @@ def _generate_kwargs(args, max_new, eos, pad_id, generator) -> Dict[str, Any]:
     return dict(
         max_new_tokens=max_new,
         num_speculative_tokens=args.num_speculative_tokens,
+        max_speculative_tokens=args.max_speculative_tokens,
         sparse_attn_algorithm=args.algorithm,
         sparse_attn_ratio=args.ratio,
         sparse_attn_min_tokens=args.min_tokens,

@@ -1,10 +1,16 @@
-"""Rival draft-KV selection algorithms, run in the same decode loop, cache and draft kernel as Vegas.
+"""Draft-KV selection strategies: every algorithm that chooses the blocks a draft attends to.
 
 Only the choice of the draft's KV blocks differs between algorithms; drafting
 (:func:`vegas_ext.ops.sparse_draft_attention` over the selected blocks plus the tail), verification
-and acceptance are shared, so acceptance and cost are compared on equal terms at equal budget
-(:func:`vegas_ext.decode.budget_blocks` blocks besides the tail, sinks included).
+and acceptance are shared by the decode loop (:mod:`vegas_ext.decode`), so acceptance and cost are
+compared on equal terms at equal budget (:func:`budget_blocks` blocks besides the tail, sinks
+included).
 
+* ``"full"`` -- :class:`FullAttention`: no drafts, plain decoding through the same cache and
+  kernels (the honest baseline).
+* ``"vegas"`` -- :class:`VegasSelection`: top-k blocks by the attention mass the verification
+  queries put on them (Vegas, arXiv 2602.07223), options ``query_weights``,
+  ``share_selection_across_heads``, ``block_size``, ``selection_refresh_interval``.
 * ``"streamingllm"`` -- :class:`StreamingLLMSelection`: attention sinks + the most recent blocks
   (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453; the
   drafter of MagicDec, Chen et al., arXiv 2408.11049). No scores.
@@ -13,23 +19,193 @@ and acceptance are shared, so acceptance and cost are compared on equal terms at
   ``sum_d max(q_d max_d, q_d min_d)`` of that step's query (Tang et al., "Quest: Query-Aware
   Sparsity for Efficient Long-Context LLM Inference", arXiv 2406.10774; MagicDec-Quest).
 
-``"vegas"`` (verification-guided, with its options ``query_weights``,
-``share_selection_across_heads``, ``block_size``, ``selection_refresh_interval``) and ``"full"``
-live in :mod:`vegas_ext.decode`. Importing :mod:`vegas_ext` registers these.
+New algorithms: subclass :class:`SelectionStrategy` and decorate with
+:func:`register_selection_algorithm`.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Type
 
 import torch
 from torch import Tensor
 
 from . import ops
-from .decode import SelectionContext, SelectionStrategy, budget_blocks, register_selection_algorithm
 from .hf import AttentionState
 
-__all__ = ["StreamingLLMSelection", "QuestSelection", "streaming_indices"]
+__all__ = [
+    "SelectionConfig",
+    "SelectionContext",
+    "SelectionStrategy",
+    "SELECTION_ALGORITHMS",
+    "register_selection_algorithm",
+    "budget_blocks",
+    "FullAttention",
+    "VegasSelection",
+    "StreamingLLMSelection",
+    "QuestSelection",
+    "streaming_indices",
+]
+
+@dataclass
+class SelectionConfig:
+    """Budget and selection options shared by the selection algorithms."""
+
+    ratio: float = 0.05
+    min_tokens: int = 256
+    max_tokens: Optional[int] = None
+    block_size: int = 16
+    num_sink_blocks: int = 1
+    share_selection_across_heads: bool = False
+    refresh_interval: int = 1
+
+
+@dataclass
+class SelectionContext:
+    """What a strategy sees after a verification.
+
+    Attributes:
+        block_scores: ``[L, B, H_kv, N]`` float32 verification scores (``None`` if the strategy does
+            not ask for them).
+        lengths: ``[B]`` int32 committed context length per row (budget base).
+        tail_start: ``[B]`` int32 start of the next draft tail (the last verification window).
+        cache: the :class:`VegasCache`.
+        previous: the indices the last round used (``None`` at the first selection), e.g. for a
+            refresh stride that keeps them.
+        iteration: decoding iterations done so far (0 after prefill).
+    """
+
+    block_scores: Optional[Tensor]
+    lengths: Tensor
+    tail_start: Tensor
+    cache: VegasCache
+    previous: Optional[Tensor] = None
+    iteration: int = 0
+
+
+def budget_blocks(lengths: Tensor, cfg: SelectionConfig) -> Tensor:
+    """Blocks per row for the draft: ``ceil(ceil(ratio * length) clamped to [min_tokens, max_tokens] / block_size)``.
+
+    Args:
+        lengths: ``[B]`` int context lengths.
+        cfg: the budget options.
+
+    Returns:
+        ``[B]`` int32 block counts.
+    """
+    tok = torch.ceil(lengths.double() * cfg.ratio)
+    tok = tok.clamp(min=cfg.min_tokens)
+    if cfg.max_tokens is not None:
+        tok = tok.clamp(max=cfg.max_tokens)
+    return torch.ceil(tok / cfg.block_size).to(torch.int32)
+
+
+class SelectionStrategy:
+    """Base class of a draft-KV selection algorithm.
+
+    Class attributes:
+        name: the ``sparse_attn_algorithm`` string.
+        drafts: ``False`` for plain decoding (no speculation, ``gamma`` forced to 0).
+        needs_verify_scores: whether :meth:`select` reads the verification's block scores.
+
+    A strategy returns, after every verification, the ``[L, B, H_kv, K]`` int32 block indices the
+    next draft round attends to (besides the tail), or provides :meth:`draft_hook` to choose per
+    layer at each draft step (query-aware algorithms such as Quest).
+    """
+
+    name = "base"
+    drafts = True
+    needs_verify_scores = False
+    #: tokens per KV block when ``generate(block_size=None)`` (the default)
+    default_block_size = 16
+
+    def __init__(self, cfg: SelectionConfig):
+        self.cfg = cfg
+        # seconds of selection work done inside the model's forwards (hooks), by phase; generate()
+        # moves them from time_{phase}_s to time_select_s so the overhead comparison is honest
+        self.inline_select_time_s = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
+
+    def setup(self, state: AttentionState) -> None:
+        """Called once per :func:`generate` call, after the cache and the attention state exist
+        (allocate per-call metadata here). Default: install :meth:`draft_hook`."""
+        state.draft_hook = self.draft_hook()
+
+    def teardown(self, state: AttentionState) -> None:
+        """Called once at the end of every :func:`generate` call (also after an error): release the
+        per-call metadata and the hooks, so that no reference cycle keeps the cache alive.
+        Default: remove the hooks from ``state``."""
+        state.write_hook = None
+        state.draft_hook = None
+
+    def select(self, ctx: SelectionContext) -> Optional[Tensor]:
+        """``[L, B, H_kv, K]`` int32 block indices for the next draft round (``-1`` unused)."""
+        raise NotImplementedError
+
+    def draft_hook(self) -> Optional[Callable]:
+        """Optional per-layer chooser ``(layer, q, k_cache, v_cache) -> [B, H_kv, K]`` used at every
+        draft step instead of the indices from :meth:`select`."""
+        return None
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """The decode loop dropped finished rows from the batch: keep only the per-row metadata
+        of ``rows`` (``[B']`` int64 indices into the current batch, ascending). Default: nothing
+        (the strategy holds no per-row state)."""
+
+
+SELECTION_ALGORITHMS: Dict[str, Type[SelectionStrategy]] = {}
+
+
+def register_selection_algorithm(name: str):
+    """Class decorator: make a :class:`SelectionStrategy` available as ``sparse_attn_algorithm=name``."""
+
+    def deco(cls):
+        cls.name = name
+        SELECTION_ALGORITHMS[name] = cls
+        return cls
+
+    return deco
+
+
+@register_selection_algorithm("full")
+class FullAttention(SelectionStrategy):
+    """No speculation: one verified token per iteration through the same cache and kernels
+    (the honest baseline for speedups)."""
+
+    drafts = False
+
+
+@register_selection_algorithm("vegas")
+class VegasSelection(SelectionStrategy):
+    """Vegas (arXiv 2602.07223): top-k blocks by the attention mass the verification queries put on
+    them, among the blocks before the draft tail, sink blocks first; per KV head, or one set per
+    layer (scores summed over heads) with ``share_selection_across_heads``. All layers in one
+    :func:`vegas_ext.ops.block_topk` call (layers stacked into the batch dimension). With
+    ``refresh_interval = n > 1`` the blocks are re-selected only every ``n`` iterations and kept in
+    between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn")."""
+
+    needs_verify_scores = True
+    default_block_size = 1  # token granularity: highest acceptance in bench/results/variants_cpu
+
+    def select(self, ctx: SelectionContext) -> Tensor:
+        cfg = self.cfg
+        n = max(1, int(cfg.refresh_interval))
+        if n > 1 and ctx.previous is not None and ctx.iteration % n != 0:
+            return ctx.previous
+        scores = ctx.block_scores
+        L, B, H, N = scores.shape
+        k = budget_blocks(ctx.lengths, cfg)
+        ncand = _num_candidates(ctx.tail_start, cfg.block_size)
+        max_k = max(1, min(int(k.max()), N))
+        s = scores.view(L * B, H, N)
+        if cfg.share_selection_across_heads:
+            s = s.sum(1, keepdim=True)
+        idx = ops.block_topk(s, k.repeat(L), ncand.repeat(L), max_k, cfg.num_sink_blocks)
+        idx = idx.view(L, B, -1, max_k)
+        if cfg.share_selection_across_heads:
+            idx = idx.expand(L, B, H, max_k).contiguous()
+        return idx
+
 
 
 def _num_candidates(tail_start: Tensor, block_size: int) -> Tensor:
@@ -144,6 +320,15 @@ class QuestSelection(SelectionStrategy):
         super().teardown(state)
         self._state = None
         self.key_min, self.key_max, self.last_indices = [], [], None
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep the key min/max, the budget and the last indices of ``rows`` only."""
+        self.key_min = [t[rows] for t in self.key_min]
+        self.key_max = [t[rows] for t in self.key_max]
+        if self.last_indices is not None:
+            self.last_indices = self.last_indices[:, rows]
+        if self._k is not None:
+            self._k, self._nc = self._k[rows], self._nc[rows]
 
     def _on_write(self, layer: int, k_cache: Tensor, start: Tensor) -> None:
         t0 = time.perf_counter()

@@ -1,0 +1,292 @@
+"""How many tokens to draft per iteration: the ``gamma`` policy of the decode loop.
+
+A policy is asked before every iteration for the batch's ``gamma`` (:meth:`GammaPolicy.choose`)
+and is told afterwards what the iteration cost and how many drafts were accepted
+(:meth:`GammaPolicy.observe_iteration`). Its choice may depend on the past only, so decoding stays
+lossless whatever it picks (greedy equals plain greedy; speculative sampling keeps the target
+distribution for any number of drafts fixed before they are drawn).
+
+* ``"fixed"`` -- :class:`FixedGamma`: always ``num_speculative_tokens`` (shrunk near a row's end);
+* ``"auto"`` -- :class:`AutoGamma`: before every iteration the ``g`` in ``0..max_speculative_tokens``
+  with the most expected emitted tokens per second, from acceptance rates and step costs the loop
+  measures as it decodes (``g = 0``: a plain step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Type
+
+from torch import Tensor
+
+__all__ = ["GammaPolicy", "FixedGamma", "AutoGamma", "IterationCosts", "GAMMA_POLICIES", "register_gamma_policy"]
+
+
+@dataclass
+class IterationCosts:
+    """Measured seconds of one iteration's phases: ``draft`` (all ``gamma`` draft steps),
+    ``verify`` (one verification forward of ``gamma + 1`` tokens, acceptance included) and
+    ``select`` (the selection before the drafts, 0 if none ran); ``scored``: whether the
+    verification also scored the KV blocks for a selection (plain steps normally do not)."""
+
+    gamma: int
+    draft: float
+    verify: float
+    select: float
+    scored: bool = True
+
+
+class GammaPolicy:
+    """Base class of a ``gamma`` policy.
+
+    Attributes:
+        max_gamma: the largest ``gamma`` it may return (sizes the cache and the per-position stats).
+    """
+
+    name = "base"
+
+    def __init__(self, max_gamma: int):
+        self.max_gamma = int(max_gamma)
+        self.history: List[int] = []  # gamma chosen per iteration
+
+    def choose(self, caps: Tensor, limit: int) -> int:
+        """``gamma`` for the next iteration, in ``[0, min(max_gamma, limit)]``.
+
+        Args:
+            caps: ``[B]`` int64, per active row the most drafts that row could still emit
+                (``max_new_tokens`` left minus 1).
+            limit: the most drafts the batch may write (``max(caps)`` and the model's last position).
+        """
+        raise NotImplementedError
+
+    def note_plain_step(self) -> None:
+        """The loop ran a plain step before the iteration just chosen (to score the KV blocks its
+        drafts will attend to): recorded in the history before that choice."""
+        self.history.insert(len(self.history) - 1, 0)
+
+    def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
+        """After an iteration: its costs and, per active row, ``drafted`` (``[B]`` drafts that
+        could be emitted) and ``accepted`` (``[B]`` of them matching the target, ``<= drafted``)."""
+
+    def stats(self) -> dict:
+        """Entries added to ``generate``'s stats: ``gamma_policy``, ``gamma_per_iteration`` (the
+        ``gamma`` of every iteration) and ``gamma_histogram`` (iterations per ``gamma``,
+        ``0..max_gamma``)."""
+        hist = [0] * (self.max_gamma + 1)
+        for g in self.history:
+            hist[g] += 1
+        return {"gamma_policy": self.name, "gamma_per_iteration": list(self.history), "gamma_histogram": hist}
+
+
+GAMMA_POLICIES: Dict[str, Type[GammaPolicy]] = {}
+
+
+def register_gamma_policy(name: str):
+    """Class decorator: make a :class:`GammaPolicy` available under ``name``."""
+
+    def deco(cls):
+        cls.name = name
+        GAMMA_POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+@register_gamma_policy("fixed")
+class FixedGamma(GammaPolicy):
+    """Always ``max_gamma`` drafts, shrunk so that no row drafts what it could never emit."""
+
+    def choose(self, caps: Tensor, limit: int) -> int:
+        g = max(0, min(self.max_gamma, int(limit)))
+        self.history.append(g)
+        return g
+
+
+@register_gamma_policy("auto")
+class AutoGamma(GammaPolicy):
+    """``gamma`` chosen before every iteration to maximize the expected emitted tokens per second.
+
+    For a candidate ``g`` in ``0..min(max_gamma, limit)``:
+
+    * expected tokens of row ``b``: ``1 + sum_{j <= min(g, caps[b])} prod_{i <= j} a_i``, with
+      ``a_i`` the running estimate of the probability that draft ``i`` is accepted given that the
+      drafts before it were (pooled over rows; exponentially forgotten counts, factor
+      ``acceptance_decay`` per iteration, with a prior of ``prior_weight`` pseudo-trials at
+      ``prior_acceptance`` for position 1 and at the estimate of position ``i - 1`` for
+      position ``i``);
+    * cost: ``g * t_draft + t_verify(g + 1) + (t_select if g > 0)``, from the loop's own timings.
+      Every timing is divided by the current plain-step time ``t_plain`` (a moving average, weight
+      ``cost_ema``, of the plain steps' verification times; the plain step right before a
+      speculative iteration is adjacent in time), so that a machine that slows down or speeds up
+      between plain and speculative iterations does not bias the comparison; ``t_draft`` and
+      ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
+      a least-squares fit through the median ratio of the last ``window`` verification passes of
+      each ``q`` (weighted by their count), ``c0, c1 >= 0``. ``g = 0`` is a plain step through the
+      same verification kernel: its cost is ``t_verify(1)``.
+
+    Warm-up: the first iteration drafts ``first_gamma`` tokens and the second none, so that both
+    a speculative and a plain iteration have been timed. After ``probe_interval`` plain
+    iterations in a row it runs one probing iteration with the best ``g >= 1`` (acceptance and
+    draft costs keep being learned, e.g. as the context grows); a probe that does not switch
+    speculation back on doubles the interval, up to ``max_probe_interval``.
+
+    Lossless whatever it picks: the choice depends on past timings and acceptances only.
+    The expected-tokens formula generalizes ``(1 - a^(g+1)) / (1 - a)`` of Leviathan et al.
+    (ICML 2023) to per-position rates.
+    """
+
+    def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 2.0,
+                 acceptance_decay: float = 0.9, cost_ema: float = 0.5, window: int = 5,
+                 first_gamma: int = 3, probe_interval: int = 4, max_probe_interval: int = 32):
+        super().__init__(max_gamma)
+        if self.max_gamma < 1:
+            raise ValueError(f"max_speculative_tokens must be >= 1 with num_speculative_tokens='auto', got {max_gamma}")
+        self.prior_acceptance, self.prior_weight = float(prior_acceptance), float(prior_weight)
+        self.acceptance_decay, self.cost_ema, self.window = acceptance_decay, cost_ema, int(window)
+        self.first_gamma = max(1, min(int(first_gamma), self.max_gamma))
+        self.min_probe_interval = self.probe_interval = int(probe_interval)
+        self.max_probe_interval = int(max_probe_interval)
+        self.tries = [0.0] * self.max_gamma
+        self.successes = [0.0] * self.max_gamma
+        self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
+        self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
+        self._select_ratios: List[float] = []
+        self._verify_ratios: Dict[int, List[float]] = {}  # q -> verify(q) / t_plain, last `window`
+        self._pending: List[IterationCosts] = []  # timed before the first plain step
+        self.num_probes = 0
+        self._plain_run = 0
+
+    # ------------------------------------------------------------------ estimates
+    def acceptance(self) -> List[float]:
+        """``[max_gamma]`` current estimates ``a_i`` (conditional acceptance at draft position i)."""
+        out, prior = [], self.prior_acceptance
+        for s, n in zip(self.successes, self.tries):
+            a = (s + self.prior_weight * prior) / (n + self.prior_weight)
+            out.append(a)
+            prior = a
+        return out
+
+    def _verify_fit_ratio(self) -> Tuple[float, float]:
+        pts = [(q, _median(v), len(v)) for q, v in self._verify_ratios.items() if v]
+        if not pts:
+            return 1.0, 0.0
+        sw = sum(w for _, _, w in pts)
+        mq = sum(q * w for q, _, w in pts) / sw
+        mt = sum(t * w for _, t, w in pts) / sw
+        vq = sum(w * (q - mq) ** 2 for q, _, w in pts)
+        if vq <= 1e-12 * sw:
+            return mt, 0.0
+        c1 = sum(w * (q - mq) * (t - mt) for q, t, w in pts) / vq
+        c0 = mt - c1 * mq
+        if c1 < 0:
+            return mt, 0.0
+        if c0 < 0:
+            return 0.0, sum(w * q * t for q, t, w in pts) / sum(w * q * q for q, _, w in pts)
+        return c0, c1
+
+    def verify_fit(self) -> Tuple[float, float]:
+        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` at the current ``t_plain`` (``c1 = 0``
+        until two different ``q`` were timed; ``(0, 0)`` before any plain step)."""
+        c0, c1 = self._verify_fit_ratio()
+        tp = self.t_plain or 0.0
+        return c0 * tp, c1 * tp
+
+    def relative_cost(self, g: int) -> float:
+        """Predicted time of an iteration with ``g`` drafts, in plain steps."""
+        c0, c1 = self._verify_fit_ratio()
+        c = c0 + c1 * (g + 1)
+        if g:
+            c += g * _median(self._draft_ratios, 0.0) + _median(self._select_ratios, 0.0)
+        return c
+
+    def cost(self, g: int) -> float:
+        """Predicted seconds of an iteration with ``g`` drafts (at the current ``t_plain``)."""
+        return self.relative_cost(g) * (self.t_plain or 0.0)
+
+    def expected_tokens(self, g: int, caps: Tensor) -> float:
+        """Expected emitted tokens of the batch with ``g`` drafts (rows capped at ``caps``)."""
+        acc = self.acceptance()
+        cum, p = [0.0], 1.0
+        for j in range(g):
+            p *= acc[j]
+            cum.append(cum[-1] + p)
+        return float(sum(1.0 + cum[min(g, max(0, int(c)))] for c in caps.tolist()))
+
+    # ------------------------------------------------------------------ policy
+    def choose(self, caps: Tensor, limit: int) -> int:
+        hi = max(0, min(self.max_gamma, int(limit)))
+        it = len(self.history)
+        if hi == 0:
+            g = 0
+        elif it == 0:
+            g = min(self.first_gamma, hi)
+        elif it == 1 or self.t_plain is None:
+            g = 0
+        else:
+            rate = [self.expected_tokens(g, caps) / max(self.relative_cost(g), 1e-12) for g in range(hi + 1)]
+            g = max(range(hi + 1), key=lambda i: rate[i])
+            if g > 0:
+                self._plain_run, self.probe_interval = 0, self.min_probe_interval
+            else:
+                self._plain_run += 1
+                if self._plain_run >= self.probe_interval:
+                    g = max(range(1, hi + 1), key=lambda i: rate[i])
+                    self.num_probes += 1
+                    self._plain_run = 0
+                    self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+        self.history.append(g)
+        return g
+
+    def _push(self, xs: List[float], x: float) -> None:
+        xs.append(x)
+        del xs[: -self.window]
+
+    def _observe_costs(self, c: IterationCosts) -> None:
+        if c.gamma == 0:
+            if c.scored and self.t_plain is not None:  # scoring blocks costs more than a plain step
+                return
+            self.t_plain = c.verify if self.t_plain is None else (1 - self.cost_ema) * self.t_plain + self.cost_ema * c.verify
+            pending, self._pending = self._pending, []
+            for p in pending:
+                self._observe_costs(p)
+        elif self.t_plain is None:
+            self._pending.append(c)
+            return
+        tp = self.t_plain
+        self._push(self._verify_ratios.setdefault(c.gamma + 1, []), c.verify / tp)
+        if c.gamma:
+            self._push(self._draft_ratios, c.draft / c.gamma / tp)
+            if c.select > 0:
+                self._push(self._select_ratios, c.select / tp)
+
+    def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
+        self._observe_costs(costs)
+        g = costs.gamma
+        if not g:
+            return
+        d, a = drafted.tolist(), accepted.tolist()
+        for i in range(self.max_gamma):
+            self.tries[i] = self.acceptance_decay * self.tries[i] + sum(1 for dr, ac in zip(d, a) if dr > i and ac >= i)
+            self.successes[i] = self.acceptance_decay * self.successes[i] + sum(1 for ac in a if ac > i)
+
+    def stats(self) -> dict:
+        c0, c1 = self.verify_fit()
+        tp = self.t_plain
+        ms = lambda r: None if tp is None or r is None else 1000 * r * tp  # noqa: E731
+        return {
+            **super().stats(),
+            "acceptance_estimates": [round(x, 4) for x in self.acceptance()],
+            "cost_t_plain_ms": None if tp is None else 1000 * tp,
+            "cost_t_draft_ms": ms(_median(self._draft_ratios, None)),
+            "cost_t_select_ms": ms(_median(self._select_ratios, None)),
+            "cost_t_verify_c0_ms": 1000 * c0,
+            "cost_t_verify_c1_ms": 1000 * c1,
+            "num_probes": self.num_probes,
+        }
+
+
+def _median(xs: List[float], empty=None):
+    if not xs:
+        return empty
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])

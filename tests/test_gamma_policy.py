@@ -1,0 +1,183 @@
+"""``num_speculative_tokens="auto"``: the gamma policy's choices, and losslessness whatever it picks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vegas_ext
+from vegas_ext import decode
+from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts
+
+from decode_utils import FAMILIES, cached_model, first_diff, hf_greedy, make_prompts, one_thread  # noqa: F401
+from test_cli import run_cli, tiny_model_dir  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPARSE = dict(sparse_attn_ratio=0.05, sparse_attn_min_tokens=32, block_size=8, eos_token_id=[])
+CAPS = torch.tensor([100, 100])
+
+
+def _feed(p, g, t_draft, c0, c1, drafted, accepted, t_select=0.0):
+    p.observe_iteration(IterationCosts(g, g * t_draft, c0 + c1 * (g + 1), t_select if g else 0.0, scored=g > 0),
+                        torch.tensor(drafted), torch.tensor(accepted))
+
+
+def _warm(p, t_draft, c0, c1, acc):
+    """The two warm-up iterations (gamma 3, then 0), every row accepting ``acc`` of 3."""
+    assert p.choose(CAPS, 8) == 3
+    _feed(p, 3, t_draft, c0, c1, [3, 3], [acc, acc], 0.001)
+    assert p.choose(CAPS, 8) == 0
+    _feed(p, 0, t_draft, c0, c1, [0, 0], [0, 0])
+
+
+# --------------------------------------------------------------------------- the policy alone
+def test_auto_speculates_when_drafts_are_cheap_and_accepted():
+    p = AutoGamma(8)
+    _warm(p, t_draft=0.01, c0=0.1, c1=0.001, acc=3)
+    for _ in range(6):
+        g = p.choose(CAPS, 8)
+        _feed(p, g, 0.01, 0.1, 0.001, [g, g], [g, g], 0.001)
+    assert g == 8  # every draft accepted, drafting ~free: the longest run
+    assert all(a > 0.9 for a in p.acceptance()[:3])
+    c0, c1 = p.verify_fit()
+    assert math.isclose(c0, 0.1, rel_tol=1e-6) and math.isclose(c1, 0.001, rel_tol=1e-4)
+
+
+def test_auto_decodes_plainly_when_speculation_loses_and_keeps_probing():
+    p = AutoGamma(8)
+    # a draft step costs a plain step, verifying costs grow fast, few drafts accepted
+    _warm(p, t_draft=0.1, c0=0.08, c1=0.03, acc=0)
+    gs = []
+    for _ in range(40):
+        g = p.choose(CAPS, 8)
+        gs.append(g)
+        _feed(p, g, 0.1, 0.08, 0.03, [g, g], [0, 0], 0.001)
+    assert gs.count(0) >= 35
+    probes = [i for i, g in enumerate(gs) if g > 0]
+    assert p.num_probes == len(probes) >= 2
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # back-off: probes get rarer
+
+
+def test_auto_switches_back_on_when_speculation_starts_to_pay():
+    p = AutoGamma(8)
+    _warm(p, t_draft=0.1, c0=0.08, c1=0.03, acc=0)
+    for _ in range(10):
+        g = p.choose(CAPS, 8)
+        _feed(p, g, 0.1, 0.08, 0.03, [g, g], [0, 0])
+    # the context grew: verification now dominated by attention, drafts accepted, drafting cheap
+    gs = []
+    for _ in range(60):
+        g = p.choose(CAPS, 8)
+        gs.append(g)
+        _feed(p, g, 0.02, 0.5, 0.01, [g, g], [g, g], 0.001)
+    assert gs[-1] >= 4 and gs[-10:].count(0) == 0
+
+
+def test_auto_respects_limits_and_caps():
+    p = AutoGamma(8)
+    assert p.choose(CAPS, 0) == 0  # nothing may be drafted
+    _feed(p, 0, 0.01, 0.1, 0.001, [0, 0], [0, 0])
+    p = AutoGamma(8)
+    assert p.choose(CAPS, 2) == 2
+    # rows that can emit at most one more token gain nothing from drafts beyond it
+    assert p.expected_tokens(5, torch.tensor([0, 1])) == pytest.approx(1 + 1 + p.acceptance()[0])
+    with pytest.raises(ValueError, match="max_speculative_tokens"):
+        AutoGamma(0)
+
+
+def test_auto_choice_depends_only_on_observations():
+    def run():
+        p = AutoGamma(6)
+        seq = []
+        for i in range(30):
+            g = p.choose(CAPS, 6)
+            seq.append(g)
+            acc = min(g, i % 4)
+            _feed(p, g, 0.02 + 0.001 * (i % 3), 0.1, 0.02, [g, g], [acc, max(0, acc - 1)], 0.002)
+        return seq, p.stats()
+
+    assert run() == run()
+    seq, st = run()
+    assert st["gamma_per_iteration"] == seq and sum(st["gamma_histogram"]) == len(seq)
+    assert len(st["acceptance_estimates"]) == 6 and st["cost_t_draft_ms"] > 0
+    assert FixedGamma(4).choose(CAPS, 3) == 3
+
+
+# --------------------------------------------------------------------------- in the loop
+class _CheapDrafts(AutoGamma):
+    """AutoGamma fed synthetic costs under which speculation pays, so that it drafts long runs
+    (the tiny test models' real timings favour plain steps)."""
+
+    def observe_iteration(self, costs, drafted, accepted):
+        g = costs.gamma
+        super().observe_iteration(IterationCosts(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0,
+                                                 scored=costs.scored), drafted, accepted)
+
+
+@pytest.mark.parametrize("cheap", [False, True], ids=["measured", "cheap_drafts"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_greedy_equals_plain_greedy(family, batch, cheap, monkeypatch):
+    if cheap:
+        monkeypatch.setattr(decode, "AutoGamma", _CheapDrafts)
+    model = cached_model(family)
+    ids, mask = make_prompts(model.config.vocab_size, [300, 217, 281][:batch], seed=batch)
+    ref = hf_greedy(model, ids, mask, 30, eos_token_id=[])
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=30, num_speculative_tokens="auto", **SPARSE)
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    s = out.stats
+    assert s["gamma_policy"] == "auto" and s["num_speculative_tokens"] == "auto"
+    assert s["max_speculative_tokens"] == 8 and len(s["num_accepted_tokens_per_pos"]) == 8
+    assert len(s["gamma_per_iteration"]) == s["num_iterations"] == sum(s["gamma_histogram"])
+    assert s["gamma_per_iteration"][:2] == [3, 0]  # the warm-up
+    if cheap:
+        gs = s["gamma_per_iteration"]
+        assert max(gs) >= 4 and s["num_accepted_tokens"] > 0
+        # plain steps do not score blocks: drafting after one takes a scoring plain step first
+        assert gs[2] == 0 and all(gs[i - 1] == gs[i - 2] == 0 for i in range(2, len(gs)) if gs[i] and not gs[i - 1])
+
+
+def test_auto_is_the_default_and_full_ignores_it():
+    model = cached_model("llama")
+    ids, mask = make_prompts(model.config.vocab_size, [300], seed=1)
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=8, **SPARSE)
+    assert out.stats["gamma_policy"] == "auto"
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=8, sparse_attn_algorithm="full", **SPARSE)
+    assert out.stats["gamma_policy"] == "fixed" and set(out.stats["gamma_per_iteration"]) == {0}
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=8, num_speculative_tokens=4, **SPARSE)
+    assert out.stats["gamma_policy"] == "fixed" and out.stats["gamma_per_iteration"][0] == 4
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_speculative_tokens="fast"), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
+    (dict(max_speculative_tokens=0), "max_speculative_tokens"),
+    (dict(max_speculative_tokens="8"), "max_speculative_tokens"),
+])
+def test_bad_gamma_options_raise(kw, match):
+    model = cached_model("llama")
+    ids, mask = make_prompts(model.config.vocab_size, [40], seed=1)
+    with pytest.raises(ValueError, match=match):
+        vegas_ext.generate(model, ids, mask, max_new_tokens=4, **kw)
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_auto_gamma_is_default_and_reported(tiny_model_dir, capsys):  # noqa: F811
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
+                            "--max-new-tokens", "12", "--no-progress", "--max-speculative-tokens", "5"], capsys)
+    assert rc == 0, err
+    assert "gamma (auto)" in err and "iterations per gamma 0..5" in err
+    assert "accept. estimates" in err and "fitted costs" in err
+
+
+@pytest.mark.parametrize("value", ["fast", "0"])
+def test_cli_bad_gamma(value, tiny_model_dir, capsys):  # noqa: F811
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "hi",
+                            "--num-speculative-tokens", value], capsys)
+    assert rc not in (0, None) and "num-speculative-tokens" in err and "Traceback" not in err
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "hi",
+                            "--max-speculative-tokens", "0"], capsys)
+    assert rc not in (0, None) and "max-speculative-tokens" in err
