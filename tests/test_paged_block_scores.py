@@ -12,7 +12,7 @@ def _paged_case(q_lens, seq_lens, Hq, Hkv, D, ps, dtype, *, seed=0, layout="cpu"
     """Random packed queries and a shuffled paged key cache holding each request's keys.
 
     Returns (q [T, Hq, D], key_cache view [NP, Hkv, ps, D], block_table, seq_lens, qsl, dense keys per request).
-    layout "cpu": the K half of a [NP, Hkv, ps, 2D] cache (vLLM CPU); "flash": a [NP, ps, Hkv, D] cache
+    layout "cpu": the K half of a [NP, Hkv, 2 * ps, D] cache; "cpu_vec": vLLM's CPU cache, keys [D, ps] per page; "flash": a [NP, ps, Hkv, D] cache
     viewed as [NP, Hkv, ps, D] (vLLM flash layout)."""
     g = torch.Generator().manual_seed(seed)
     R = len(q_lens)
@@ -24,6 +24,9 @@ def _paged_case(q_lens, seq_lens, Hq, Hkv, D, ps, dtype, *, seed=0, layout="cpu"
     if layout == "cpu":
         raw = torch.randn(NP, Hkv, 2 * ps, D, generator=g).to(dtype)
         kc = raw[:, :, :ps]
+    elif layout == "cpu_vec":  # vLLM CPU_ATTN (vec ISA): each page's keys stored [D, page_size]
+        raw = torch.randn(NP, Hkv, 2, D, ps, generator=g).to(dtype)
+        kc = raw[:, :, 0].transpose(2, 3)
     else:
         raw = torch.randn(NP, ps, Hkv, D, generator=g).to(dtype)
         kc = raw.transpose(1, 2)
@@ -46,7 +49,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("layout", ["cpu", "cpu_vec", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{len(c[0])}S{max(c[1])}H{c[2]}-{c[3]}D{c[4]}ps{c[5]}")
 def test_matches_reference(case, dtype, layout):

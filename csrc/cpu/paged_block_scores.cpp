@@ -28,8 +28,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct PagedDims {
   int64_t R, Hq, Hkv, G, D, page_size, max_pages;
-  int64_t qs_t, qs_h;                 // q strides (token, head); head_dim contiguous
-  int64_t ks_p, ks_h, ks_t;           // key_cache strides (page, head, slot); head_dim contiguous
+  int64_t qs_t, qs_h, qs_d;           // q strides (token, head, dim), in elements
+  int64_t ks_p, ks_h, ks_t, ks_d;     // key_cache strides (page, head, slot, dim), in elements
 };
 
 // One (request, KV head) task: writes out[0 .. max_pages).
@@ -44,21 +44,21 @@ void scores_one(float* out, const T* q, const T* k, const int32_t* pages, int64_
     for (int64_t hh = 0; hh < G; ++hh) {
       const T* src = q + (q_begin + q_len - n + i) * d.qs_t + (g * G + hh) * d.qs_h;
       float* dst = qf.data() + (i * G + hh) * D;
-      for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+      for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<float>(src[e * d.qs_d]) * scale;
     }
-  s.assign(rows * seq_len, kNegInf);
+  // Scores of every row against every key of the request; causality is applied when they are
+  // normalized (row r sees tokens [0, visible)), so masked entries are never read.
+  s.assign(rows * seq_len, 0.f);
   const int64_t first_pos = seq_len - n;  // position of the first scored query
   const int64_t npages = ceil_div(seq_len, ps);
   for (int64_t j = 0; j < npages; ++j) {
     const T* kp = k + int64_t(pages[j]) * d.ks_p + g * d.ks_h;
-    const int64_t t1 = std::min<int64_t>((j + 1) * ps, seq_len);
-    for (int64_t t = j * ps; t < t1; ++t) {
-      const T* kr = kp + (t - j * ps) * d.ks_t;
-      // query i sees t iff t <= first_pos + i
-      const int64_t i0 = t <= first_pos ? 0 : t - first_pos;
-      for (int64_t i = i0; i < n; ++i)
-        for (int64_t hh = 0; hh < G; ++hh) {
-          const float* qr = qf.data() + (i * G + hh) * D;
+    const int64_t t0 = j * ps, nt = std::min<int64_t>(ps, seq_len - t0);
+    if (d.ks_d == 1) {  // keys contiguous in head_dim: one dot product per (row, token)
+      for (int64_t t = 0; t < nt; ++t) {
+        const T* kr = kp + t * d.ks_t;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = qf.data() + r * D;
           float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
           int64_t e = 0;
           for (; e + 8 <= D; e += 8)
@@ -66,8 +66,22 @@ void scores_one(float* out, const T* q, const T* k, const int32_t* pages, int64_
           for (; e < D; ++e) lanes[0] += qr[e] * static_cast<float>(kr[e]);
           float acc = 0.f;
           for (int l = 0; l < 8; ++l) acc += lanes[l];
-          s[(i * G + hh) * seq_len + t] = acc;
+          s[r * seq_len + t0 + t] = acc;
         }
+      }
+    } else {  // e.g. vLLM's CPU cache, keys stored [D, page_size] per page: token-wise axpy per dim
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qf.data() + r * D;
+        float* sr = s.data() + r * seq_len + t0;
+        for (int64_t e = 0; e < D; ++e) {
+          const float qe = qr[e];
+          const T* ke = kp + e * d.ks_d;
+          if (d.ks_t == 1)
+            for (int64_t t = 0; t < nt; ++t) sr[t] += qe * static_cast<float>(ke[t]);
+          else
+            for (int64_t t = 0; t < nt; ++t) sr[t] += qe * static_cast<float>(ke[t * d.ks_t]);
+        }
+      }
     }
   }
   for (int64_t j = 0; j < d.max_pages; ++j) out[j] = 0.f;
@@ -144,8 +158,6 @@ at::Tensor paged_block_scores_cpu(const at::Tensor& q, const at::Tensor& key_cac
   const int64_t Hq = q.size(1), Hkv = key_cache.size(1);
   TORCH_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, op, ": the number of query heads H_q (", Hq,
               ") must be a positive multiple of the number of KV heads H_kv (", Hkv, ")");
-  TORCH_CHECK(q.stride(2) == 1 && key_cache.stride(3) == 1, op,
-              ": q and key_cache must be contiguous in head_dim (stride(-1) == 1)");
   TORCH_CHECK(num_queries >= 1, op, ": num_queries must be >= 1, got ", num_queries);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be a positive finite float, got ",
               scale);
@@ -169,8 +181,8 @@ at::Tensor paged_block_scores_cpu(const at::Tensor& q, const at::Tensor& key_cac
       TORCH_CHECK(btp[r * P + j] >= 0 && btp[r * P + j] < NP, op, ": block_table[", r, ", ", j,
                   "] = ", btp[r * P + j], " must lie in [0, num_pages) = [0, ", NP, ")");
   }
-  PagedDims d{R, Hq, Hkv, Hq / Hkv, q.size(2), ps, P, q.stride(0), q.stride(1),
-              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
+  PagedDims d{R, Hq, Hkv, Hq / Hkv, q.size(2), ps, P, q.stride(0), q.stride(1), q.stride(2),
+              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3)};
   auto out = at::empty({R, Hkv, P}, q.options().dtype(at::kFloat));
   if (R == 0 || P == 0) return out.zero_();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_block_scores", [&] {

@@ -540,10 +540,11 @@ def paged_block_scores(
     seq_lens[r] - 1`` (causal: query ``i`` sees tokens ``t <= seq_lens[r] - q_len + i``).
 
     Args:
-        q: ``[T, H_q, D]`` float32/bfloat16/float16, head_dim contiguous (any other strides).
-        key_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, head_dim contiguous, any
-            other strides (vLLM CPU: the K half of ``[num_blocks, H_kv, block_size, 2D]``-style
-            caches; CUDA flash layout ``[num_blocks, page_size, H_kv, D]`` via ``.transpose(1, 2)``).
+        q: ``[T, H_q, D]`` float32/bfloat16/float16, any strides.
+        key_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, any strides (a view: vLLM's CPU
+            cache stores each page's keys as ``[D, page_size]``, see
+            :func:`vegas_ext.vllm.backend.key_cache_view`; the flash layout ``[num_blocks,
+            page_size, H_kv, D]`` is ``.transpose(1, 2)``).
         block_table: ``[R, max_pages]`` int32, physical page of each logical page; only the first
             ``ceil(seq_lens[r] / page_size)`` entries of a request with queries are read.
         seq_lens: ``[R]`` int32, tokens of request ``r`` including its new ones, in
@@ -562,7 +563,7 @@ def paged_block_scores(
 
     Raises:
         RuntimeError / ValueError naming the argument: wrong rank, dtype or device, H_q not a
-        multiple of H_kv, head_dim mismatch or not contiguous, seq_lens outside the range, a
+        multiple of H_kv, head_dim mismatch, seq_lens outside the range, a
         page id outside ``[0, num_pages)``, num_queries < 1, a non-positive scale.
 
     On CUDA tensors the plain-PyTorch reference runs (no CUDA kernel yet).
@@ -595,8 +596,6 @@ def _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_q
     Hq, Hkv = q.shape[1], key_cache.shape[1]
     if Hkv <= 0 or Hq <= 0 or Hq % Hkv != 0:
         _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
-    if q.stride(2) != 1 or key_cache.stride(3) != 1:
-        _fail(op, "q and key_cache must be contiguous in head_dim (stride(-1) == 1)")
     if num_queries < 1:
         _fail(op, f"num_queries must be >= 1, got {num_queries}")
     if not (math.isfinite(scale) and scale > 0):
