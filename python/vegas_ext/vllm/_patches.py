@@ -3,10 +3,16 @@ each is needed and where it sits in vLLM's source). Imports vLLM; idempotent."""
 from __future__ import annotations
 
 import functools
+import os
 
 from .options import ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, SUPPORTED_MODEL_TYPES, VegasOptions
 
 _INSTALLED = False
+
+
+def cuda_allowed() -> bool:
+    """``VEGAS_VLLM_ALLOW_CUDA=1``: enable the experimental, never GPU-run FLASH_ATTN path."""
+    return os.environ.get("VEGAS_VLLM_ALLOW_CUDA", "0") == "1"
 
 
 def is_vegas_spec(spec) -> bool:
@@ -25,10 +31,11 @@ def _check_target(target_model_config, target_parallel_config) -> None:
             f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only attention in one KV cache group)")
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True) and mt != "llama":
         raise ValueError(f"vegas_ext.vllm: models with a sliding window are not supported (sliding_window={hf.sliding_window})")
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() and not (current_platform.is_cuda() and cuda_allowed()):
         raise ValueError(
-            f"vegas_ext.vllm: the Vegas proposer runs on vLLM's CPU platform (CPU_ATTN backend) only, "
-            f"got platform {current_platform.device_name!r}")
+            f"vegas_ext.vllm: the Vegas proposer is tested on vLLM's CPU platform (CPU_ATTN backend) only, "
+            f"got platform {current_platform.device_name!r}; VEGAS_VLLM_ALLOW_CUDA=1 enables the untested "
+            "FLASH_ATTN path on CUDA")
     pp = getattr(target_parallel_config, "pipeline_parallel_size", 1)
     if pp != 1:
         raise ValueError(f"vegas_ext.vllm: pipeline_parallel_size must be 1 with the Vegas proposer, got {pp}")
@@ -107,4 +114,6 @@ def install() -> None:
     _wrap_propose(GPUModelRunner)
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, "vegas_ext.vllm.backend.VegasCPUAttentionBackend")
+    elif current_platform.is_cuda() and cuda_allowed():
+        register_backend(AttentionBackendEnum.FLASH_ATTN, "vegas_ext.vllm.backend_flash.VegasFlashAttentionBackend")
     _INSTALLED = True

@@ -21,7 +21,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from .. import ops
 
-__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "STATE", "VegasState", "key_cache_view"]
+__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "STATE", "VegasState", "key_cache_view", "record_scores"]
 
 
 @dataclass
@@ -48,7 +48,7 @@ STATE = VegasState()
 
 
 #: CPU attention ISAs whose key pages are stored ``[D, block_size]`` (checked by
-#: ``tests/vllm/test_vllm_plugin.py::test_cpu_key_layout`` against ``cpu_attn_reshape_and_cache``).
+#: ``tests/vllm_plugin/test_vllm_plugin.py::test_cpu_key_layout`` against ``cpu_attn_reshape_and_cache``).
 PLAIN_KEY_ISAS = ("vec", "vec16")
 
 
@@ -64,6 +64,18 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(nb, h, 2, d2 // 2, bs)[:, :, 0].transpose(2, 3)
 
 
+def record_scores(layer, impl, query, key_cache, attn_metadata) -> None:
+    """Store the page scores of this target forward for ``layer`` (see :data:`STATE`); no-op on
+    draft forwards, without an active Vegas proposer, outside decoder self-attention."""
+    st = STATE
+    if (st.collect and not st.drafting and attn_metadata is not None and impl.attn_type == AttentionType.DECODER):
+        n = attn_metadata.num_actual_tokens
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        st.scores[layer.layer_name] = ops.paged_block_scores(
+            query[:n], key_cache, attn_metadata.block_table[:num_reqs], attn_metadata.seq_lens,
+            attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, impl.scale)
+
+
 class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
     """``CPUAttentionBackendImpl`` whose forward also records per-page attention mass (see module)."""
 
@@ -71,14 +83,8 @@ class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
-        st = STATE
-        if (st.collect and not st.drafting and attn_metadata is not None and self.attn_type == AttentionType.DECODER
-                and not self.is_fp8_kv_cache):
-            n = attn_metadata.num_actual_tokens
-            num_reqs = attn_metadata.seq_lens.shape[0]
-            st.scores[layer.layer_name] = ops.paged_block_scores(
-                query[:n], key_cache_view(kv_cache), attn_metadata.block_table[:num_reqs],
-                attn_metadata.seq_lens, attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, self.scale)
+        if not self.is_fp8_kv_cache:
+            record_scores(layer, self, query, key_cache_view(kv_cache), attn_metadata)
         return out
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import BASE_LLM, run_llm, text_prompts, tiny_llama_dir
+from vllm_utils import BASE_LLM, run_llm, text_prompts, tiny_llama_dir
 from vegas_ext.vllm import speculative_config
 
 GAMMA = 6

@@ -1,4 +1,4 @@
-"""Shared helpers of the vLLM plugin tests (run in a venv with vLLM, see scripts/test_vllm.sh).
+"""Helpers of the vLLM plugin tests and of bench/vllm_e2e.py (run in a venv with vLLM, see scripts/test_vllm.sh).
 
 Every engine runs in its own process through ``run_llm.py``; ``plugin=False`` sets
 ``VLLM_PLUGINS=""`` there, so no vLLM process loads the plugin (the stock engine)."""
@@ -8,11 +8,7 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-vllm = pytest.importorskip("vllm")
-
 # small CPU engines: fp32, eager, 32-token pages, 1 GiB of KV cache
 BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, disable_log_stats=False, seed=0)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -36,21 +32,6 @@ def run_llm(cfg, *, plugin=True, env=None, timeout=900):
             res = json.load(f)
         res["log"] = p.stderr[-6000:]
         return res
-
-
-@pytest.fixture(scope="session")
-def smollm_dir():
-    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once and cached)."""
-    from vegas_ext.models import convert_gguf, default_model_path
-
-    return convert_gguf(default_model_path())
-
-
-@pytest.fixture(scope="session")
-def tokenizer(smollm_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm_dir)
 
 
 def text_prompts(tokenizer, lengths, doc="pride_and_prejudice"):

@@ -1,8 +1,8 @@
-"""Runs one vLLM engine in a fresh process and writes its outputs as JSON (used by tests/vllm and
+"""Runs one vLLM engine in a fresh process and writes its outputs as JSON (used by tests/vllm_plugin and
 bench/vllm_e2e.py, so every configuration starts clean and ``VLLM_PLUGINS`` applies to all of
 vLLM's processes).
 
-    python tests/vllm/run_llm.py CONFIG.json OUT.json
+    python tests/vllm_plugin/run_llm.py CONFIG.json OUT.json
 
 CONFIG: ``{"llm": {LLM kwargs}, "prompts": [token id lists], "sampling": {SamplingParams kwargs},
 "n_seeds": optional int (one request per seed, same prompt), "expect_error": optional bool}``.
