@@ -19,89 +19,23 @@
 
 #include "checks.h"
 #include "cpu/isa.h"
+#include "cpu/paged_scores_types.h"
+
+#define VEGAS_ISA isa_base
+#include "cpu/paged_scores_tile.h"
+#undef VEGAS_ISA
+#ifdef VEGAS_HAVE_AVX2_PATH
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define VEGAS_ISA isa_avx2
+#include "cpu/paged_scores_tile.h"
+#undef VEGAS_ISA
+#pragma GCC pop_options
+#endif
 
 namespace vegas {
 namespace cpu {
 namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct PagedDims {
-  int64_t R, Hq, Hkv, G, D, page_size, max_pages;
-  int64_t qs_t, qs_h, qs_d;           // q strides (token, head, dim), in elements
-  int64_t ks_p, ks_h, ks_t, ks_d;     // key_cache strides (page, head, slot, dim), in elements
-};
-
-// One (request, KV head) task: writes out[0 .. max_pages).
-template <typename T>
-void scores_one(float* out, const T* q, const T* k, const int32_t* pages, int64_t seq_len,
-                int64_t q_begin, int64_t q_len, int64_t n, float scale, const PagedDims& d,
-                int64_t g, std::vector<float>& qf, std::vector<float>& s) {
-  const int64_t D = d.D, G = d.G, rows = n * G, ps = d.page_size;
-  // rows r = i * G + hh: query q_begin + q_len - n + i, head g * G + hh (pre-scaled, fp32)
-  qf.assign(rows * D, 0.f);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t hh = 0; hh < G; ++hh) {
-      const T* src = q + (q_begin + q_len - n + i) * d.qs_t + (g * G + hh) * d.qs_h;
-      float* dst = qf.data() + (i * G + hh) * D;
-      for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<float>(src[e * d.qs_d]) * scale;
-    }
-  // Scores of every row against every key of the request; causality is applied when they are
-  // normalized (row r sees tokens [0, visible)), so masked entries are never read.
-  s.assign(rows * seq_len, 0.f);
-  const int64_t first_pos = seq_len - n;  // position of the first scored query
-  const int64_t npages = ceil_div(seq_len, ps);
-  for (int64_t j = 0; j < npages; ++j) {
-    const T* kp = k + int64_t(pages[j]) * d.ks_p + g * d.ks_h;
-    const int64_t t0 = j * ps, nt = std::min<int64_t>(ps, seq_len - t0);
-    if (d.ks_d == 1) {  // keys contiguous in head_dim: one dot product per (row, token)
-      for (int64_t t = 0; t < nt; ++t) {
-        const T* kr = kp + t * d.ks_t;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = qf.data() + r * D;
-          float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t e = 0;
-          for (; e + 8 <= D; e += 8)
-            for (int l = 0; l < 8; ++l) lanes[l] += qr[e + l] * static_cast<float>(kr[e + l]);
-          for (; e < D; ++e) lanes[0] += qr[e] * static_cast<float>(kr[e]);
-          float acc = 0.f;
-          for (int l = 0; l < 8; ++l) acc += lanes[l];
-          s[r * seq_len + t0 + t] = acc;
-        }
-      }
-    } else {  // e.g. vLLM's CPU cache, keys stored [D, page_size] per page: token-wise axpy per dim
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = qf.data() + r * D;
-        float* sr = s.data() + r * seq_len + t0;
-        for (int64_t e = 0; e < D; ++e) {
-          const float qe = qr[e];
-          const T* ke = kp + e * d.ks_d;
-          if (d.ks_t == 1)
-            for (int64_t t = 0; t < nt; ++t) sr[t] += qe * static_cast<float>(ke[t]);
-          else
-            for (int64_t t = 0; t < nt; ++t) sr[t] += qe * static_cast<float>(ke[t * d.ks_t]);
-        }
-      }
-    }
-  }
-  for (int64_t j = 0; j < d.max_pages; ++j) out[j] = 0.f;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* sr = s.data() + r * seq_len;
-    const int64_t visible = first_pos + r / G + 1;  // tokens [0, visible)
-    float m = kNegInf;
-    for (int64_t t = 0; t < visible; ++t) m = sr[t] > m ? sr[t] : m;
-    if (!std::isfinite(m)) continue;  // a NaN/inf row contributes nothing
-    double l = 0.0;
-    for (int64_t t = 0; t < visible; ++t) l += std::exp(double(sr[t] - m));
-    const float inv = static_cast<float>(1.0 / l);
-    for (int64_t j = 0; j * ps < visible; ++j) {
-      const int64_t t1 = std::min<int64_t>((j + 1) * ps, visible);
-      float p = 0.f;
-      for (int64_t t = j * ps; t < t1; ++t) p += std::exp(sr[t] - m);
-      out[j] += p * inv;
-    }
-  }
-}
 
 template <typename T>
 void paged_block_scores_kernel(float* out, const T* q, const T* k, const int32_t* block_table,
@@ -121,8 +55,8 @@ void paged_block_scores_kernel(float* out, const T* q, const T* k, const int32_t
         for (int64_t j = 0; j < d.max_pages; ++j) o[j] = 0.f;
         continue;
       }
-      scores_one<T>(o, q, k, block_table + r * bt_stride, seq_lens[r], qsl[r], q_len, n, scale, d,
-                    g, qf, s);
+      VEGAS_ISA_CALL(scores_one<T>, o, q, k, block_table + r * bt_stride, seq_lens[r], qsl[r], q_len,
+                     n, scale, d, g, qf, s);
     }
   });
 }

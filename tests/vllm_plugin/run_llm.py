@@ -5,7 +5,7 @@ vLLM's processes).
     python tests/vllm_plugin/run_llm.py CONFIG.json OUT.json
 
 CONFIG: ``{"llm": {LLM kwargs}, "prompts": [token id lists], "sampling": {SamplingParams kwargs},
-"n_seeds": optional int (one request per seed, same prompt), "expect_error": optional bool}``.
+"n_seeds": optional int (one request per seed, same prompt), "n_copies": optional int (unseeded copies), "expect_error": optional bool}``.
 OUT: ``{"outputs": [[token ids]], "metrics": {name: value}, "seconds": {"init": s, "generate": s},
 "error": optional str}``.
 """
@@ -45,6 +45,9 @@ def main(cfg_path, out_path):
     if cfg.get("n_seeds"):
         params = [SamplingParams(**sp, seed=s) for s in range(cfg["n_seeds"])]
         prompts = prompts * cfg["n_seeds"]
+    elif cfg.get("n_copies"):  # unseeded copies: the engine's own random stream
+        params = SamplingParams(**sp)
+        prompts = prompts * cfg["n_copies"]
     else:
         params = SamplingParams(**sp)
     t1 = time.perf_counter()
