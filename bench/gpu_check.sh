@@ -102,6 +102,28 @@ for bs in (1, 16):
     print(f"verify_attention workspace per call, Llama-3-8B shape, S=128K, batch 32, Q=7, block {bs}: {n / 1e6:.1f} MB")
 EOF
 grep -h "host syncs per step" "$RES/kernels_cuda.md" 2>/dev/null || true
+# ---------------------------------------------------------------------------------------------
+# vLLM plugin (vegas_ext.vllm), only where vLLM is installed in this Python: greedy end to end on
+# the embedded SmolLM2, no speculation / ngram / Vegas / StreamingLLM through the plugin, with its
+# experimental FLASH_ATTN path (VEGAS_VLLM_ALLOW_CUDA=1, never run on a GPU before this step), bf16,
+# eager (no CUDA graphs). The entry point comes from a stub distribution (the tree is on PYTHONPATH,
+# not installed). Output: vllm_e2e/{runs.jsonl,summary.md} (same-tokens column = lossless check).
+if "$PY" -c "import vllm" 2>/dev/null; then
+  step "vLLM plugin end to end (bench/vllm_e2e.py)"
+  STUB=$(mktemp -d)
+  printf '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n[project]\nname = "vegas-ext-vllm-entry-point"\nversion = "0"\n[project.entry-points."vllm.general_plugins"]\nvegas = "vegas_ext.vllm:register"\n[tool.setuptools]\npy-modules = []\n' > "$STUB/pyproject.toml"
+  set +e
+  "$PY" -m pip install -q --no-deps --no-build-isolation "$STUB" \
+    && VEGAS_VLLM_ALLOW_CUDA=1 timeout 600 "$PY" bench/vllm_e2e.py \
+         --contexts 2048 8128 --batches 1 16 --new-tokens 64 --dtype bfloat16 --out "$DEST/vllm_e2e"
+  vrc=$?
+  "$PY" -m pip uninstall -q -y vegas-ext-vllm-entry-point
+  set -e
+  if [ "$vrc" -ne 0 ]; then echo "VLLM PLUGIN STEP FAILED (rc $vrc)"; status=1; fi
+else
+  echo "(vLLM not installed in $PY: vLLM plugin step skipped)"
+fi
+# ---------------------------------------------------------------------------------------------
 
 step "done: tests rc=$trc, bench rc=$brc, $(( $(date +%s) - T0 ))s in all"
 exit $status

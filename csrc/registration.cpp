@@ -39,4 +39,9 @@ TORCH_LIBRARY(vegas, m) {
       "block_minmax_update(Tensor(a!) key_min, Tensor(b!) key_max, Tensor k_cache, "
       "Tensor seq_lens, Tensor start, int block_size) -> ()");
   m.def("quest_block_scores(Tensor q, Tensor key_min, Tensor key_max, Tensor num_blocks) -> Tensor");
+  // Attention mass per page of a paged KV cache (vLLM's layout) from the newest queries of
+  // each request: the Vegas selection signal where the engine's attention kernel returns none.
+  m.def(
+      "paged_block_scores(Tensor q, Tensor key_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, int num_queries, float scale) -> Tensor");
 }

@@ -618,3 +618,130 @@ block_topk = _make_dispatching("block_topk", block_topk, _topk_fallback)
 sparse_draft_attention = _make_dispatching("sparse_draft_attention", sparse_draft_attention, _draft_fallback)
 block_minmax_update = _make_dispatching("block_minmax_update", block_minmax_update, reference.block_minmax_update)
 quest_block_scores = _make_dispatching("quest_block_scores", quest_block_scores, reference.quest_block_scores)
+
+
+# ---------------------------------------------------------------------------
+# paged_block_scores (the selection signal inside a paged-cache engine such as vLLM)
+# ---------------------------------------------------------------------------
+if not EXTENSION_LOADED:  # pragma: no cover
+    _lib.define(
+        "paged_block_scores(Tensor q, Tensor key_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor query_start_loc, int num_queries, float scale) -> Tensor"
+    )
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("paged_block_scores", _dev)] = has_compiled_kernel("paged_block_scores", _dev)
+
+
+def paged_block_scores(
+    q: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    num_queries: int,
+    scale: float,
+) -> Tensor:
+    """Attention mass per page of a paged KV cache from the newest queries of each request.
+
+    The Vegas selection signal (arXiv 2602.07223) for an engine whose own attention kernel
+    returns neither scores nor a log-sum-exp (vLLM's paged kernels): the scores are recomputed
+    from q and the keys, normalized per query row by the row's own log-sum-exp, and summed per
+    page; the attention output is not computed. Packed-batch layout of vLLM: the queries of all
+    requests are concatenated, request ``r`` owns rows ``[query_start_loc[r],
+    query_start_loc[r+1])`` and its ``q_len`` queries sit at positions ``seq_lens[r] - q_len ...
+    seq_lens[r] - 1`` (causal: query ``i`` sees tokens ``t <= seq_lens[r] - q_len + i``).
+
+    Args:
+        q: ``[T, H_q, D]`` float32/bfloat16/float16, any strides.
+        key_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, any strides (a view: vLLM's CPU
+            cache stores each page's keys as ``[D, page_size]``, see
+            :func:`vegas_ext.vllm.backend.key_cache_view`; the flash layout ``[num_blocks,
+            page_size, H_kv, D]`` is ``.transpose(1, 2)``).
+        block_table: ``[R, max_pages]`` int32, physical page of each logical page; only the first
+            ``ceil(seq_lens[r] / page_size)`` entries of a request with queries are read.
+        seq_lens: ``[R]`` int32, tokens of request ``r`` including its new ones, in
+            ``[q_len, max_pages * page_size]``.
+        query_start_loc: ``[R + 1]`` int32, non-decreasing, starting at 0, ending ``<= T``.
+        num_queries: ``>= 1``; only the last ``min(q_len, num_queries)`` queries of each request
+            are scored (a verification window: γ + 1; a prefill's last γ + 1 tokens).
+        scale: softmax scale of ``q . k`` (usually ``D ** -0.5``).
+
+    Returns:
+        ``[R, H_kv, max_pages]`` float32: for KV head ``g`` and logical page ``j`` of request
+        ``r``, the softmax probability on the page's tokens summed over the scored queries and
+        the query heads ``g * G ... g * G + G - 1`` (``G = H_q / H_kv``); zero past
+        ``seq_lens[r]`` and for requests without queries. A request's row over pages sums to
+        ``G * min(q_len, num_queries)``.
+
+    Raises:
+        RuntimeError / ValueError naming the argument: wrong rank, dtype or device, H_q not a
+        multiple of H_kv, head_dim mismatch, seq_lens outside the range, a
+        page id outside ``[0, num_pages)``, num_queries < 1, a non-positive scale.
+
+    On CUDA tensors the plain-PyTorch reference runs (no CUDA kernel yet).
+    """
+    return torch.ops.vegas.paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+
+
+def _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
+    if q.dim() != 3:
+        _fail(op, f"q must be 3-D [T, H_q, D], got shape {tuple(q.shape)}")
+    if key_cache.dim() != 4:
+        _fail(op, f"key_cache must be 4-D [num_pages, H_kv, page_size, D], got shape {tuple(key_cache.shape)}")
+    if q.dtype not in _ATTN_DTYPES:
+        _fail(op, f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if key_cache.dtype != q.dtype:
+        _fail(op, f"key_cache dtype ({key_cache.dtype}) must equal q dtype ({q.dtype})")
+    for name, t in (("key_cache", key_cache), ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        if t.device != q.device:
+            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        _fail(op, f"block_table must be int32 [R, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+    R = block_table.shape[0]
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != R or seq_lens.dtype != torch.int32:
+        _fail(op, f"seq_lens must be int32 of shape [R] = [{R}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != R + 1 or query_start_loc.dtype != torch.int32:
+        _fail(op, f"query_start_loc must be int32 of shape [R + 1] = [{R + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if key_cache.shape[3] != q.shape[2]:
+        _fail(op, f"key_cache head_dim ({key_cache.shape[3]}) must equal q head_dim ({q.shape[2]})")
+    Hq, Hkv = q.shape[1], key_cache.shape[1]
+    if Hkv <= 0 or Hq <= 0 or Hq % Hkv != 0:
+        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
+    if num_queries < 1:
+        _fail(op, f"num_queries must be >= 1, got {num_queries}")
+    if not (math.isfinite(scale) and scale > 0):
+        _fail(op, f"scale must be a positive finite float, got {scale}")
+    return R, Hkv, block_table.shape[1]
+
+
+def _paged_fallback(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
+    op = "paged_block_scores"
+    R, Hkv, P = _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    ps, NP = key_cache.shape[2], key_cache.shape[0]
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if qsl[0] != 0 or qsl[-1] > q.shape[0]:
+        _fail(op, f"query_start_loc must start at 0 and end at most at T = {q.shape[0]}, got [{qsl[0]} .. {qsl[-1]}]")
+    for r in range(R):
+        ql = qsl[r + 1] - qsl[r]
+        if ql < 0:
+            _fail(op, f"query_start_loc must be non-decreasing, got {qsl[r]} then {qsl[r + 1]} at request {r}")
+        if not (ql <= lens[r] <= P * ps):
+            _fail(op, f"seq_lens[{r}] = {lens[r]} must lie in [q_len, max_pages * page_size] = [{ql}, {P * ps}]")
+        if ql and lens[r]:
+            used = block_table[r, : -(-lens[r] // ps)]
+            if bool(((used < 0) | (used >= NP)).any()):
+                _fail(op, f"block_table[{r}] holds a page id outside [0, num_pages) = [0, {NP})")
+    return reference.paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+
+
+@torch.library.register_fake("vegas::paged_block_scores")
+def _paged_fake(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
+    R, Hkv, P = _check_paged("paged_block_scores", q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    return q.new_empty((R, Hkv, P), dtype=torch.float32)
+
+
+torch.library.register_autograd("vegas::paged_block_scores", _no_backward("paged_block_scores"))
+paged_block_scores = _make_dispatching("paged_block_scores", paged_block_scores, _paged_fallback)
+__all__.append("paged_block_scores")

