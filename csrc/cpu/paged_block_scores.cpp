@@ -21,13 +21,21 @@
 #include "cpu/isa.h"
 #include "cpu/paged_scores_types.h"
 
+// The same three ISA builds as isa.h, each in the namespace where isa.h compiled
+// attention_tile.h (whose vector helpers the tile uses).
 #define VEGAS_ISA isa_base
 #include "cpu/paged_scores_tile.h"
 #undef VEGAS_ISA
-#ifdef VEGAS_HAVE_AVX2_PATH
+#ifdef VEGAS_HAVE_X86_PATHS
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define VEGAS_ISA isa_avx2
+#include "cpu/paged_scores_tile.h"
+#undef VEGAS_ISA
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
+#define VEGAS_ISA isa_avx512
 #include "cpu/paged_scores_tile.h"
 #undef VEGAS_ISA
 #pragma GCC pop_options

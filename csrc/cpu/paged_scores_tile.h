@@ -1,7 +1,8 @@
 // Per-(request, KV head) main loop of vegas::paged_block_scores on raw pointers (no torch
 // includes). No include guard on purpose: paged_block_scores.cpp includes it twice, for the
-// baseline ISA and under `#pragma GCC target("avx2,fma")`, each in its own VEGAS_ISA namespace
-// (the pattern of attention_tile.h / isa.h), and picks one at run time.
+// baseline ISA, AVX2+FMA and AVX-512, each in its own VEGAS_ISA namespace right after isa.h
+// compiled attention_tile.h there (whose VW-lane helpers vf, ld, st, splat, vexp it uses), and
+// picks one at run time.
 #ifndef VEGAS_ISA
 #error "define VEGAS_ISA before including paged_scores_tile.h"
 #endif
@@ -22,19 +23,19 @@ namespace vegas {
 namespace cpu {
 namespace VEGAS_ISA {
 
-// 8 key elements p[0], p[stride], ... as fp32 lanes.
+// VW key elements p[0], p[stride], ... as fp32 lanes.
 template <typename T>
-static inline v8 paged_load8(const T* p, int64_t stride) {
+static inline vf paged_load(const T* p, int64_t stride) {
   if constexpr (std::is_same_v<T, float>) {
-    if (stride == 1) return ld8(p);
+    if (stride == 1) return ld(p);
   }
-  v8 x;
-  for (int l = 0; l < 8; ++l) x[l] = static_cast<float>(p[l * stride]);
+  vf x;
+  for (int l = 0; l < VW; ++l) x[l] = static_cast<float>(p[l * stride]);
   return x;
 }
 
-// One (request, KV head) task: writes out[0 .. max_pages). Uses the 8-lane helpers of
-// attention_tile.h (v8, ld8, st8, splat, vexp8), compiled in the same VEGAS_ISA namespace.
+// One (request, KV head) task: writes out[0 .. max_pages). Uses the VW-lane helpers of
+// attention_tile.h (vf, ld, st, splat, vexp), compiled in the same VEGAS_ISA namespace.
 template <typename T>
 inline void scores_one(float* out, const T* q, const T* k, const int32_t* pages, int64_t seq_len,
                        int64_t q_begin, int64_t q_len, int64_t n, float scale, const PagedDims& d,
@@ -57,14 +58,14 @@ inline void scores_one(float* out, const T* q, const T* k, const int32_t* pages,
     const T* kp = k + int64_t(pages[j]) * d.ks_p + g * d.ks_h;
     const int64_t t0 = j * ps, nt = std::min<int64_t>(ps, seq_len - t0);
     int64_t t = 0;
-    // 8 tokens at a time: lanes = tokens, one FMA per (row, dim); made for vLLM's CPU cache,
+    // VW tokens at a time: lanes = tokens, one FMA per (row, dim); made for vLLM's CPU cache,
     // where a page's keys are stored [D, page_size] (tokens contiguous), works for any strides.
-    for (; t + 8 <= nt; t += 8)
+    for (; t + VW <= nt; t += VW)
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = qf.data() + r * D;
-        v8 acc = v8{};
-        for (int64_t e = 0; e < D; ++e) acc += splat(qr[e]) * paged_load8(kp + t * d.ks_t + e * d.ks_d, d.ks_t);
-        st8(s.data() + r * seq_len + t0 + t, acc);
+        vf acc = vf{};
+        for (int64_t e = 0; e < D; ++e) acc += splat(qr[e]) * paged_load(kp + t * d.ks_t + e * d.ks_d, d.ks_t);
+        st(s.data() + r * seq_len + t0 + t, acc);
       }
     for (; t < nt; ++t)
       for (int64_t r = 0; r < rows; ++r) {
@@ -83,15 +84,15 @@ inline void scores_one(float* out, const T* q, const T* k, const int32_t* pages,
     for (int64_t t = 0; t < visible; ++t) m = sr[t] > m ? sr[t] : m;
     if (!std::isfinite(m)) continue;  // a NaN/inf row contributes nothing
     // p = exp(s - m) in place, l = sum p
-    v8 lv = v8{};
+    vf lv = vf{};
     int64_t t = 0;
-    for (; t + 8 <= visible; t += 8) {
-      const v8 pv = vexp8(ld8(sr + t) - m);
-      st8(sr + t, pv);
+    for (; t + VW <= visible; t += VW) {
+      const vf pv = vexp(ld(sr + t) - splat(m));
+      st(sr + t, pv);
       lv += pv;
     }
     double l = 0.0;
-    for (int lane = 0; lane < 8; ++lane) l += lv[lane];
+    for (int lane = 0; lane < VW; ++lane) l += lv[lane];
     for (; t < visible; ++t) {
       sr[t] = std::exp(sr[t] - m);
       l += sr[t];
