@@ -444,6 +444,8 @@ def _eos_and_pad(model, eos_token_id, pad_token_id):
             pad_token_id = getattr(model.config, "pad_token_id", None)
         if pad_token_id is None:
             pad_token_id = eos_ids[0] if eos_ids else 0
+    if isinstance(pad_token_id, bool) or not hasattr(pad_token_id, "__index__"):
+        raise ValueError(f"pad_token_id must be an int, got {pad_token_id!r}")
     return eos_ids, int(pad_token_id)
 
 
@@ -461,9 +463,12 @@ def _as_id_list(x) -> List[int]:
         return []
     if isinstance(x, Tensor):
         return [int(v) for v in x.flatten().tolist()]
-    if isinstance(x, (list, tuple)):
-        return [int(v) for v in x]
-    return [int(x)]
+    vals = list(x) if isinstance(x, (list, tuple)) else [x]
+    for v in vals:
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) and not (
+                hasattr(v, "__index__") and not isinstance(v, (float, str))):
+            raise ValueError(f"token ids must be ints, got {v!r}")
+    return [int(v) for v in vals]
 
 
 def _check_options(*, max_new_tokens, num_speculative_tokens, max_speculative_tokens, sparse_attn_algorithm,
@@ -491,6 +496,11 @@ def _check_options(*, max_new_tokens, num_speculative_tokens, max_speculative_to
         raise ValueError(
             f"sparse_attn_max_tokens ({sparse_attn_max_tokens}) must be >= max(1, sparse_attn_min_tokens)"
         )
+    for name, v in (("do_sample", do_sample),):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+        raise ValueError(f"block_size must be an int >= 1 or None, got {block_size!r}")
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1 (or None for the algorithm's default), got {block_size}")
     if num_sink_blocks < 0:
@@ -636,7 +646,8 @@ def generate(
             up to it; the stored K/V may differ from a recomputation by float rounding only. Only
             the model that filled it, with the same weights, dtype and device, reuses it (a weak
             reference plus every parameter's storage address and version); any other call
-            recomputes its prefill and refills the dict.
+            recomputes its prefill and refills the dict. Writes through ``param.data`` bypass
+            the version counter: clear the dict after editing weights that way.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
@@ -698,6 +709,8 @@ def generate(
         block_size=block_size, num_sink_blocks=num_sink_blocks, selection_refresh_interval=selection_refresh_interval,
         query_weights=query_weights, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
     )
+    if prefill_cache is not None and not isinstance(prefill_cache, dict):
+        raise ValueError(f"prefill_cache must be a dict or None, got {type(prefill_cache).__name__}")
     if block_size is None:
         block_size = SELECTION_ALGORITHMS[sparse_attn_algorithm].default_block_size
     input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
@@ -706,6 +719,15 @@ def generate(
     config = model.config
     p0 = next(model.parameters())
 
+    limit_new = torch.clamp(max_pos - prompt_lens + 1, max=max_new_tokens)
+    if bool((limit_new < max_new_tokens).any()):
+        warnings.warn(
+            f"vegas generate: max_new_tokens={max_new_tokens} capped so no row goes past max_position_embeddings={max_pos}"
+        )
+    n_cap = int(limit_new.max())  # most new tokens any row can emit: buffers are sized by it
+    # a block covering the whole cache (at most min(Lmax + n_cap, max_pos) + n_cap positions) is
+    # one block: clamp there, so huge values give the same result without overflowing int32 math
+    block_size = min(int(block_size), min(Lmax + n_cap, max_pos) + n_cap + 1)
     strategy_cls = SELECTION_ALGORITHMS[sparse_attn_algorithm]
     strategy = strategy_cls(SelectionConfig(
         ratio=float(sparse_attn_ratio),
@@ -718,20 +740,17 @@ def generate(
     ))
     if not strategy.drafts:
         policy: GammaPolicy = FixedGamma(0)
-    elif num_speculative_tokens == "auto":
-        policy = AutoGamma(int(max_speculative_tokens))
+    elif num_speculative_tokens == "auto":  # auto's work grows with its range: no wider than useful
+        policy = AutoGamma(max(1, min(int(max_speculative_tokens), max_new_tokens - 1, max_pos)))
     else:
-        policy = FixedGamma(int(num_speculative_tokens))
+        policy = FixedGamma(min(int(num_speculative_tokens), max_pos))
     gamma = policy.max_gamma
 
     # per-row limits: never past the model's last position
-    limit_new = torch.clamp(max_pos - prompt_lens + 1, max=max_new_tokens)
-    if bool((limit_new < max_new_tokens).any()):
-        warnings.warn(
-            f"vegas generate: max_new_tokens={max_new_tokens} capped so no row goes past max_position_embeddings={max_pos}"
-        )
-    S_max = min(Lmax + max_new_tokens, max_pos) + gamma + 1
-    need_ctx = min(Lmax + max_new_tokens, max_pos)
+    # no iteration drafts more than a row can still emit, so the cache needs at most n_cap - 1
+    # draft slots whatever gamma (or max_speculative_tokens) was asked for
+    S_max = min(Lmax + n_cap, max_pos) + min(gamma, max(n_cap - 1, 0)) + 1
+    need_ctx = min(Lmax + n_cap, max_pos)
 
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
 
@@ -784,7 +803,7 @@ def generate(
             stats=stats, do_sample=bool(do_sample), warpers=make_warpers(temperature, top_k, top_p) if do_sample else None,
             generator=generator, eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
             sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), limit_new=limit_new,
-            new_tokens=torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device),
+            new_tokens=torch.full((B, n_cap), pad_token_id, dtype=torch.long, device=device),
             streamer=streamer, compact=not return_cache,
         )
         with attn.activate(), _torn_down(strategy, attn):

@@ -209,6 +209,17 @@ def _fail(op: str, msg: str):
     raise ValueError(f"vegas::{op}: {msg}")
 
 
+def _require_tensors(op: str, **named) -> None:
+    """``TypeError`` naming the first argument that is not a tensor (``None`` allowed only for
+    names ending in ``_opt``, which are given without the suffix in the message)."""
+    for name, t in named.items():
+        optional = name.endswith("_opt")
+        if t is None and optional:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"vegas::{op}: {name.removesuffix('_opt')} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale):
     if q.dim() != 4:
         _fail(op, f"q must be 4-D [B, Q, H_q, D], got shape {tuple(q.shape)}")
@@ -297,6 +308,8 @@ def verify_attention(
     host sync, CUDA-graph capturable). Any ``block_size >= 1`` is valid (one block when it
     covers S); the CUDA workspace is :func:`cuda_workspace_bytes`.
     """
+    _require_tensors("verify_attention", q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
+                     query_weights_opt=query_weights)
     return torch.ops.vegas.verify_attention(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights)
 
 
@@ -353,6 +366,7 @@ def block_topk(
     Checks: negative ``k`` / ``num_candidates`` values raise on CPU; on CUDA only with
     ``VEGAS_CUDA_VALUE_CHECKS=1``, otherwise they count as 0 (no host sync).
     """
+    _require_tensors("block_topk", block_scores=block_scores, k=k, num_candidates=num_candidates)
     return torch.ops.vegas.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks)
 
 
@@ -437,6 +451,8 @@ def sparse_draft_attention(
     ``[0, seq_lens - Q]`` gets a NaN ``out``, indices outside ``[0, ceil(S / block_size))``
     select nothing, and a repeated index is attended twice.
     """
+    _require_tensors("sparse_draft_attention", q=q, k_cache=k_cache, v_cache=v_cache, block_indices=block_indices,
+                     tail_start=tail_start, seq_lens=seq_lens)
     return torch.ops.vegas.sparse_draft_attention(
         q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale
     )
@@ -602,8 +618,7 @@ _FALLBACKS = {
 
 def _make_dispatching(name, compiled, fallback):
     def fn(*args, **kwargs):
-        dev = args[0].device
-        if _use_compiled(name, dev):
+        if not isinstance(args[0] if args else None, torch.Tensor) or _use_compiled(name, args[0].device):
             return compiled(*args, **kwargs)
         return fallback(*args, **kwargs)
 
