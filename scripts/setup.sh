@@ -70,7 +70,7 @@ EOF
 )
 case "$cuda_plan" in
   on)
-    what="CPU kernels + CUDA kernels (torch is a CUDA build and nvcc is at $CUDA_HOME; arch ${TORCH_CUDA_ARCH_LIST:-8.0;9.0})"
+    what="CPU kernels + CUDA kernels (torch is a CUDA build and nvcc is at $CUDA_HOME; arch ${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX})"
     expect="~3 min for the CPU kernels + ~8-10 min for the CUDA kernels on 2 cores. No GPU here? VEGAS_BUILD_CUDA=0 bash scripts/setup.sh skips the CUDA kernels" ;;
   off-by-flag)
     what="CPU kernels only (VEGAS_BUILD_CUDA=0)"
