@@ -465,8 +465,7 @@ def _as_id_list(x) -> List[int]:
         return [int(v) for v in x.flatten().tolist()]
     vals = list(x) if isinstance(x, (list, tuple)) else [x]
     for v in vals:
-        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) and not (
-                hasattr(v, "__index__") and not isinstance(v, (float, str))):
+        if isinstance(v, bool) or not hasattr(v, "__index__"):  # ints, numpy ints, 0-d int tensors
             raise ValueError(f"token ids must be ints, got {v!r}")
     return [int(v) for v in vals]
 
