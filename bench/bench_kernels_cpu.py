@@ -66,7 +66,7 @@ GRID_SHAPES = {  # name: (B, Hq, Hkv, D)
 def worker(tree: str):
     """Serves timing requests (JSON lines on stdin) with the extension of checkout ``tree``."""
     sys.path.insert(0, str(Path(tree) / "python"))
-    import vegas_ext  # noqa: F401
+    import vegas_ext.ops  # noqa: F401  (the package import is lazy; ops loads the extension)
 
     state = {}
     out = sys.stdout

@@ -133,6 +133,34 @@ def test_threads_and_splits_agree():
         assert max_err(a, b) < 1e-5 and max_err(a, r) < 1e-4
 
 
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_finish_in_task_and_second_pass_agree_with_reference(threads):
+    """Both ways the block sums are finished: by the task that attended (one split per
+    (batch, KV head): 5 x 3 tasks keep both threads busy) and by a second pass over the splits
+    (one (batch, KV head), 3000 tokens: several splits). Block sizes 1, 7 (not dividing the
+    lengths) and 16, ragged lengths, query weights, bf16 and fp32; the larger call runs between
+    two smaller ones, so the per-thread buffers that are reused across calls shrink and grow."""
+    n = torch.get_num_threads()
+    cases = [(5, 7, 9, 3, 64, 300), (1, 7, 8, 1, 80, 3000), (5, 5, 12, 3, 64, 257)]
+    try:
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            for bs in (1, 7, 16):
+                for i, (B, Q, Hq, Hkv, D, S) in enumerate(cases):
+                    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=10 + i)
+                    w = torch.rand(Q, generator=torch.Generator().manual_seed(i)) + 0.1
+                    got = torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, w)
+                    want = reference.verify_attention(q.float(), k.float(), v.float(), lens, bs, D ** -0.5, w)
+                    tol = 1e-4 if dtype == torch.float32 else 2e-2
+                    assert max_err(got[0].float(), want[0]) < tol * 3, (dtype, bs, i)
+                    assert max_err(got[1], want[1]) < tol * 10, (dtype, bs, i)
+                    assert max_err(got[2], want[2]) < tol * Q * (Hq // Hkv), (dtype, bs, i)
+                    for b in range(B):
+                        assert bool((got[2][b, :, math.ceil(int(lens[b]) / bs):] == 0).all())
+    finally:
+        torch.set_num_threads(n)
+
 ISA_SCRIPT = r"""
 import math, sys, torch
 sys.path.insert(0, {tests!r})

@@ -5,9 +5,13 @@
 // online-softmax state of its R = Q * group rows and, per row and block, the sum of
 // exp(score - running max) with the running max of the last tile that touched the
 // block (per-block partial log-sum-exps). Splits start on block boundaries, so each
-// block belongs to one split. Phase 2, parallel over (batch, KV head): combine the
+// block belongs to one split. Phase 2 (`finish`), per (batch, KV head): combine the
 // splits into out / lse, then normalize the block sums by the final lse:
 //   block_scores[b, g, j] = sum_r w_r * bsum[r, j] * exp(m_ref[r, j] - lse_r).
+// With one split per (batch, KV head) -- every thread already busy -- the task that
+// attended finishes its (batch, KV head) at once, from a per-thread block-sum buffer
+// that is partly still in its core's cache (block size 1 stores R floats per token);
+// otherwise phase 2 is a second parallel pass over (batch, KV head).
 // No [Q, S] probability matrix is formed. Source of the method: Vegas, arXiv 2602.07223.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,7 +61,8 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vt = v_cache.stride(2);
 
   // per (b, g, split): m [Rp], l [Rp], acc [Rp, D], mt [ntiles, Rp], bsum [split blocks, R]
-  // (+ Rp - R). Every entry that phase 2 reads is written by phase 1 (m / l of empty splits here).
+  // (+ Rp - R). Every entry that the finish step reads is written by phase 1 (m / l of empty
+  // splits here).
   thread_local std::vector<float> m_buf, l_buf, acc_buf, mt_buf, bsum_buf;
   const int64_t nstate = B * Hkv * nsplit * Rp;
   const int64_t bsum_stride = split_len / bs * R + Rp;  // per split
@@ -65,35 +70,13 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   float* l_all = reuse_buffer(l_buf, nstate);
   float* acc_all = reuse_buffer(acc_buf, nstate * D);
   float* mt_all = reuse_buffer(mt_buf, nstate * ntiles);
-  float* bsum_all = reuse_buffer(bsum_buf, B * Hkv * nsplit * bsum_stride);
+  // One split per (b, g): each task finishes its own (b, g) right after its attention loop,
+  // reading the block sums back from its own thread's buffer while much of it is still in that
+  // core's cache, and no second parallel pass runs.
+  const bool finish_in_task = nsplit == 1;
+  float* bsum_all = finish_in_task ? nullptr : reuse_buffer(bsum_buf, B * Hkv * nsplit * bsum_stride);
   std::fill(m_all, m_all + nstate, kNegInf);
   std::fill(l_all, l_all + nstate, 0.f);
-
-  parallel_tasks(
-      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
-      [&](TaskBuffers& tb, int64_t task) {
-        const int64_t sp = task % nsplit;
-        const int64_t bg = task / nsplit;
-        const int64_t b = bg / Hkv, g = bg % Hkv;
-        const int64_t L = lens[b];
-        const int64_t t0 = sp * split_len;
-        const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
-        if (t0 >= t1) return;
-        tb.load_queries(qp, b, g, Q, G, d.Hq, float(scale), L);
-        VEGAS_ISA_CALL(pack_queries, tb.qf.data(), R, static_cast<int>(D), tb.qt.data());
-        const int64_t base = task * Rp;
-        float* acc = acc_all + base * D;
-        std::fill(acc, acc + R * D, 0.f);
-        BlockSums blk;
-        blk.bsum = bsum_all + task * bsum_stride;
-        blk.block0 = t0 / bs;
-        blk.block_size = bs;
-        blk.mt = mt_all + base * ntiles;
-        const Rows rows = tb.rows();
-        const Scratch ws = tb.ws();
-        VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt, nullptr, t0,
-                       t1 - t0, ws, m_all + base, l_all + base, acc, &blk);
-      });
 
   float* outf = nullptr;
   at::Tensor out32;
@@ -106,42 +89,78 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   float* lsep = lse.data_ptr<float>();
   float* scp = scores.data_ptr<float>();
 
-  at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, R * N), [&](int64_t begin, int64_t end) {
-    std::vector<float> row_lse(Rp, 0.f), f(Rp, 0.f);
-    for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / Hkv, g = bg % Hkv;
-      const int64_t L = lens[b];
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = r / G, hh = r % G;
-        const int64_t idx0 = bg * nsplit * Rp + r;
-        float* o = outf + ((b * Q + i) * d.Hq + g * G + hh) * D;
-        const float lr = combine_row(m_all + idx0, l_all + idx0, acc_all + idx0 * D, nsplit, Rp, D, o);
-        row_lse[r] = lr;
-        lsep[(b * d.Hq + g * G + hh) * Q + i] = lr;
-      }
-      // block scores: block j's sums are relative to the running max of the tile that holds
-      // its last token, so its factor w_r * exp(m_tile - lse_r) is one per (row, split, tile),
-      // shared by the blocks of the tile.
-      float* sc = scp + bg * N;
-      for (int64_t sp = 0; sp * split_len < L; ++sp) {
-        const int64_t t0 = sp * split_len;
-        const float* bsum = bsum_all + (bg * nsplit + sp) * bsum_stride - (t0 / bs) * R;  // block j at j * R
-        const int64_t t_end = std::min<int64_t>(t0 + split_len, L);  // split's tokens [t0, t_end)
-        const float* mt = mt_all + (bg * nsplit + sp) * Rp * ntiles;
-        auto last_tile = [&](int64_t j) { return (std::min<int64_t>((j + 1) * bs, t_end) - 1 - t0) / kTile; };
-        for (int64_t j0 = t0 / bs; j0 * bs < t_end;) {
-          // blocks [j0, j1) whose last token lies in the same tile
-          const int64_t tile = last_tile(j0);
-          int64_t j1 = std::min<int64_t>(ceil_div(t0 + (tile + 1) * kTile, bs), ceil_div(t_end, bs));
-          while (j1 > j0 + 1 && last_tile(j1 - 1) != tile) --j1;
-          for (int r = 0; r < R; ++r)
-            f[r] = (qw ? qw[r / G] : 1.f) * std::exp(mt[tile * Rp + r] - row_lse[r]);
-          VEGAS_ISA_CALL(block_reduce, bsum + j0 * R, R, f.data(), j1 - j0, sc + j0);
-          j0 = j1;
-        }
+  // Combine the splits of (b, g) into out / lse, then normalize its block sums (split sp's at
+  // bsum0 + sp * bsum_stride) by the final lse. row_lse, f: Rp floats of scratch.
+  auto finish = [&](int64_t bg, const float* bsum0, float* row_lse, float* f) {
+    const int64_t b = bg / Hkv, g = bg % Hkv;
+    const int64_t L = lens[b];
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r / G, hh = r % G;
+      const int64_t idx0 = bg * nsplit * Rp + r;
+      float* o = outf + ((b * Q + i) * d.Hq + g * G + hh) * D;
+      const float lr = combine_row(m_all + idx0, l_all + idx0, acc_all + idx0 * D, nsplit, Rp, D, o);
+      row_lse[r] = lr;
+      lsep[(b * d.Hq + g * G + hh) * Q + i] = lr;
+    }
+    // block scores: block j's sums are relative to the running max of the tile that holds
+    // its last token, so its factor w_r * exp(m_tile - lse_r) is one per (row, split, tile),
+    // shared by the blocks of the tile.
+    float* sc = scp + bg * N;
+    for (int64_t sp = 0; sp * split_len < L; ++sp) {
+      const int64_t t0 = sp * split_len;
+      const float* bsum = bsum0 + sp * bsum_stride - (t0 / bs) * R;  // block j at j * R
+      const int64_t t_end = std::min<int64_t>(t0 + split_len, L);  // split's tokens [t0, t_end)
+      const float* mt = mt_all + (bg * nsplit + sp) * Rp * ntiles;
+      auto last_tile = [&](int64_t j) { return (std::min<int64_t>((j + 1) * bs, t_end) - 1 - t0) / kTile; };
+      for (int64_t j0 = t0 / bs; j0 * bs < t_end;) {
+        // blocks [j0, j1) whose last token lies in the same tile
+        const int64_t tile = last_tile(j0);
+        int64_t j1 = std::min<int64_t>(ceil_div(t0 + (tile + 1) * kTile, bs), ceil_div(t_end, bs));
+        while (j1 > j0 + 1 && last_tile(j1 - 1) != tile) --j1;
+        for (int r = 0; r < R; ++r)
+          f[r] = (qw ? qw[r / G] : 1.f) * std::exp(mt[tile * Rp + r] - row_lse[r]);
+        VEGAS_ISA_CALL(block_reduce, bsum + j0 * R, R, f, j1 - j0, sc + j0);
+        j0 = j1;
       }
     }
-  });
+  };
+
+  parallel_tasks(
+      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+      [&](TaskBuffers& tb, int64_t task) {
+        const int64_t sp = task % nsplit;
+        const int64_t bg = task / nsplit;
+        const int64_t b = bg / Hkv, g = bg % Hkv;
+        const int64_t L = lens[b];
+        const int64_t t0 = sp * split_len;
+        const int64_t t1 = std::min<int64_t>(L, t0 + split_len);
+        // this thread's block sums when the task finishes its (b, g); reused across calls
+        thread_local std::vector<float> own_bsum;
+        float* bsum = finish_in_task ? reuse_buffer(own_bsum, bsum_stride) : bsum_all + task * bsum_stride;
+        if (t0 < t1) {
+          tb.load_queries(qp, b, g, Q, G, d.Hq, float(scale), L);
+          VEGAS_ISA_CALL(pack_queries, tb.qf.data(), R, static_cast<int>(D), tb.qt.data());
+          const int64_t base = task * Rp;
+          float* acc = acc_all + base * D;
+          std::fill(acc, acc + R * D, 0.f);
+          BlockSums blk;
+          blk.bsum = bsum;
+          blk.block0 = t0 / bs;
+          blk.block_size = bs;
+          blk.mt = mt_all + base * ntiles;
+          const Rows rows = tb.rows();
+          const Scratch ws = tb.ws();
+          VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt, nullptr, t0,
+                         t1 - t0, ws, m_all + base, l_all + base, acc, &blk);
+        }
+        if (finish_in_task) finish(bg, bsum, tb.row_lse.data(), tb.f.data());
+      });
+
+  if (!finish_in_task)
+    at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, R * N), [&](int64_t begin, int64_t end) {
+      std::vector<float> row_lse(Rp, 0.f), f(Rp, 0.f);
+      for (int64_t bg = begin; bg < end; ++bg) finish(bg, bsum_all + bg * nsplit * bsum_stride, row_lse.data(), f.data());
+    });
   if (q.scalar_type() != at::kFloat) out.copy_(out32);
 }
 
