@@ -131,7 +131,9 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
   const int32_t* kk = kt.data_ptr<int32_t>();
   const int32_t* nc = nt.data_ptr<int32_t>();
   check_topk_values(op, kk, nc, B);
-  auto out = at::full({B, H, max_k}, -1, scores.options().dtype(at::kInt));
+  // -1 past each row's count, filled by the row's task (not at::full: a fill this large runs an
+  // OpenMP region whose spinning workers compete with the kernel's own helper threads)
+  auto out = at::empty({B, H, max_k}, scores.options().dtype(at::kInt));
   if (max_k == 0 || B * H == 0) return out;
   const float* sp = scores.data_ptr<float>();
   int32_t* op_ = out.data_ptr<int32_t>();
@@ -151,6 +153,7 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
           const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
           for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
           if (c > sinks) select_top(sp + row * N, sinks, elig, c - sinks, buf.first, buf.second, o + sinks);
+          std::fill(o + std::max<int64_t>(c, 0), o + max_k, -1);
         }
       });
   return out;

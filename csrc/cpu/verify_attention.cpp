@@ -11,7 +11,8 @@
 // With one split per (batch, KV head) -- every thread already busy -- the task that
 // attended finishes its (batch, KV head) at once, from a per-thread block-sum buffer
 // that is partly still in its core's cache (block size 1 stores R floats per token);
-// otherwise phase 2 is a second parallel pass over (batch, KV head).
+// otherwise phase 2 is a second parallel pass over (batch, KV head). No OpenMP region runs
+// (at::parallel_for, large at:: fills): its spinning workers would compete with the helpers.
 // No [Q, S] probability matrix is formed. Source of the method: Vegas, arXiv 2602.07223.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,6 +107,7 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     // its last token, so its factor w_r * exp(m_tile - lse_r) is one per (row, split, tile),
     // shared by the blocks of the tile.
     float* sc = scp + bg * N;
+    std::fill(sc + std::min<int64_t>(N, ceil_div(L, bs)), sc + N, 0.f);  // blocks past the row's length
     for (int64_t sp = 0; sp * split_len < L; ++sp) {
       const int64_t t0 = sp * split_len;
       const float* bsum = bsum0 + sp * bsum_stride - (t0 / bs) * R;  // block j at j * R
@@ -157,10 +159,11 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       });
 
   if (!finish_in_task)
-    at::parallel_for(0, B * Hkv, parallel_grain(B * Hkv, R * N), [&](int64_t begin, int64_t end) {
-      std::vector<float> row_lse(Rp, 0.f), f(Rp, 0.f);
-      for (int64_t bg = begin; bg < end; ++bg) finish(bg, bsum_all + bg * nsplit * bsum_stride, row_lse.data(), f.data());
-    });
+    parallel_tasks(
+        B * Hkv, R * N, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+        [&](TaskBuffers& tb, int64_t bg) {
+          finish(bg, bsum_all + bg * nsplit * bsum_stride, tb.row_lse.data(), tb.f.data());
+        });
   if (q.scalar_type() != at::kFloat) out.copy_(out32);
 }
 
@@ -183,7 +186,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_cpu(
   const at::Tensor q = q_in.contiguous();
   auto out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
   auto lse = at::empty({d.B, d.Hq, d.Q}, q.options().dtype(at::kFloat));
-  auto scores = at::zeros({d.B, d.Hkv, ceil_div(d.S, block_size)}, q.options().dtype(at::kFloat));
+  // not at::zeros: a fill this large runs an OpenMP region whose spinning workers then compete
+  // with the kernel's own helper threads (measured: block size 1 at 8K, 2 threads, 1.4-1.7x the
+  // time of block size 16); each (b, g) zeroes its blocks past its length itself.
+  auto scores = at::empty({d.B, d.Hkv, ceil_div(d.S, block_size)}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "verify_attention_cpu", [&] {
     verify_impl<scalar_t>(q, k_cache, v_cache, lens, qw, d, block_size, scale, out, lse, scores);
   });
