@@ -106,6 +106,15 @@ def worker(tree: str):
             t = time.perf_counter()
             dst.copy_(src)
             res = {"s": time.perf_counter() - t}
+        elif req["op"] == "read":
+            n = req["numel"]
+            if state.get("read_n") != n:
+                state["read"] = torch.randn(n)
+                state["read_n"] = n
+            src = state["read"]
+            t = time.perf_counter()
+            src.sum()
+            res = {"s": time.perf_counter() - t}
         elif req["op"] == "topk":
             R, N, kk = req["rows"], req["N"], req["k"]
             if state.get("topk_key") != (R, N, kk):
@@ -138,6 +147,45 @@ class Worker:
         self.p.wait()
 
 
+def grid_targets(rows, names):
+    """Markdown lines: the grid read against the kernel's targets (medians over the matching rows)."""
+    ver = [r for r in rows if r.get("kernel") == "verify_attention"]
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    out = ["", "Against the targets (medians over the rows named; `new` first, then the other trees):", ""]
+    out.append("| target | cell | " + " | ".join(names) + " |")
+    out.append("|---|---|" + "---|" * len(names))
+    for shape in dict.fromkeys(r["shape"] for r in ver):
+        for S in sorted({r["S"] for r in ver if r["shape"] == shape}):
+            sel = [r for r in ver if r["shape"] == shape and r["S"] == S and r["threads"] == 1 and 5 <= r["Q"] <= 9]
+            if sel:
+                out.append(f"| Q 5-9, 1 thread: GFLOP/s / sgemm >= 0.60 | {shape} {S} | "
+                           + " | ".join(f"{med([r[f'{n}_ratio_sgemm_per_thread'] for r in sel]):.2f}" for n in names) + " |")
+    q1 = [r for r in ver if r["Q"] == 1 and r["threads"] == 1 and "copy_gbs" in r]
+    if q1:
+        out.append("| Q 1, 1 thread: K/V GB/s / copy >= 0.70 | all shapes, S | "
+                   + " | ".join(f"{med([r[f'{n}_ratio_copy'] for r in q1]):.2f}" for n in names) + " |")
+        out.append("| Q 1, 1 thread: K/V GB/s / read-only stream (stricter) | all shapes, S | "
+                   + " | ".join(f"{med([r[f'{n}_ratio_read'] for r in q1]):.2f}" for n in names) + " |")
+    key = lambda r: (r["shape"], r["S"], r["Q"], r["block_size"])  # noqa: E731
+    one = {key(r): r for r in ver if r["threads"] == 1}
+    for bs in sorted({r["block_size"] for r in ver}):
+        two = [(one[key(r)], r) for r in ver if r["threads"] == 2 and r["S"] == 8192 and r["block_size"] == bs
+               and key(r) in one and r["Q"] > 1]
+        if two:
+            out.append(f"| 2 threads / 1 thread speed >= 1.7, S 8K, Q > 1 | block size {bs} | "
+                       + " | ".join(f"{med([a[f'{n}_ms'] / b[f'{n}_ms'] for a, b in two]):.2f}" for n in names) + " |")
+    for thr in sorted({r["threads"] for r in ver}):
+        by = {(r["shape"], r["S"], r["Q"]): {} for r in ver if r["threads"] == thr}
+        for r in ver:
+            if r["threads"] == thr:
+                by[(r["shape"], r["S"], r["Q"])][r["block_size"]] = r
+        pairs = [v for k, v in by.items() if 1 in v and 16 in v and k[2] > 1]
+        if pairs:
+            out.append(f"| block size 1 / block size 16 time <= 1.10, Q > 1 | {thr} thread(s) | "
+                       + " | ".join(f"{med([v[1][f'{n}_ms'] / v[16][f'{n}_ms'] for v in pairs]):.2f}" for n in names) + " |")
+    return out
+
+
 def grid(args):
     meta = run_metadata("cpu")
     trees = {"new": ROOT}
@@ -163,10 +211,12 @@ def grid(args):
          + ", ".join(f"{n} = {commits[n]}" for n in names) + f", load average at start {load0[0]:.1f}")
     emit("")
     emit("Ratios: GFLOP/s per thread / one-thread 1024^3 torch.mm GFLOP/s; Q = 1: K/V GB/s / one-thread copy GB/s "
-         "(same run, interleaved, medians of wall-clock times).")
+         "(bytes read per second of a tensor copy of the K/V's size) and / one-thread read GB/s (a `sum` over a "
+         "tensor of that size: a read-only stream, the stricter anchor) (same run, interleaved, medians of "
+         "wall-clock times).")
     emit("")
     hdr = "| shape | S | Q | bs | thr | sgemm GF/s | " + " | ".join(f"{n} ms | {n} GF/s | {n} ratio" for n in names)
-    hdr += " | copy GB/s | " + " | ".join(f"{n} GB/s | {n} /copy" for n in names) + " |"
+    hdr += " | copy GB/s | read GB/s | " + " | ".join(f"{n} GB/s | {n} /copy | {n} /read" for n in names) + " |"
     emit(hdr)
     emit("|" + "---|" * (hdr.count("|") - 1))
     for shape in args.shapes:
@@ -181,11 +231,12 @@ def grid(args):
                         for w in workers.values():  # warm-up
                             w(op="verify", Q=Q, bs=bs, threads=threads)
                         samples = {n: [] for n in names}
-                        mm, cp = [], []
+                        mm, cp, rd = [], [], []
                         for _ in range(args.repeats):
                             mm.append(workers["new"](op="mm", threads=1)["s"])
                             if Q == 1:
                                 cp.append(workers["new"](op="copy", numel=kv_bytes // 4, threads=1)["s"])
+                                rd.append(workers["new"](op="read", numel=kv_bytes // 4, threads=1)["s"])
                             for n in names:
                                 samples[n].append(workers[n](op="verify", Q=Q, bs=bs, threads=threads)["s"])
                         flops = 4 * B * Hq * Q * S * D
@@ -203,15 +254,16 @@ def grid(args):
                         line = f"| {shape} | {S} | {Q} | {bs} | {threads} | {g_mm:.0f} | " + " | ".join(cells)
                         if Q == 1:
                             g_cp = kv_bytes / statistics.median(cp) / 1e9
-                            r["copy_gbs"] = g_cp
+                            g_rd = kv_bytes / statistics.median(rd) / 1e9
+                            r["copy_gbs"], r["read_gbs"] = g_cp, g_rd
                             cc = []
                             for n in names:
                                 gb = kv_bytes / (r[f"{n}_ms"] / 1e3) / 1e9
-                                r[f"{n}_kv_gbs"], r[f"{n}_ratio_copy"] = gb, gb / g_cp
-                                cc.append(f"{gb:.1f} | {gb / g_cp:.2f}")
-                            line += f" | {g_cp:.1f} | " + " | ".join(cc) + " |"
+                                r[f"{n}_kv_gbs"], r[f"{n}_ratio_copy"], r[f"{n}_ratio_read"] = gb, gb / g_cp, gb / g_rd
+                                cc.append(f"{gb:.1f} | {gb / g_cp:.2f} | {gb / g_rd:.2f}")
+                            line += f" | {g_cp:.1f} | {g_rd:.1f} | " + " | ".join(cc) + " |"
                         else:
-                            line += " | - | " + " | ".join("- | -" for _ in names) + " |"
+                            line += " | - | - | " + " | ".join("- | - | -" for _ in names) + " |"
                         rows.append(r)
                         emit(line)
     # block_topk at the vegas default: block size 1 (N = S blocks), one row per (batch, KV head, layer)
@@ -233,6 +285,8 @@ def grid(args):
         emit(f"| {rows_} x {N}, k={kk} (SmolLM2 batch 4, 30 layers, bs 1) | " + " | ".join(f"{r[f'{n}_ms']:.2f}" for n in names) + " |")
     for w in workers.values():
         w.close()
+    for line in grid_targets(rows, names):
+        emit(line)
     load1 = os.getloadavg()
     emit("")
     emit(f"Load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
