@@ -26,10 +26,12 @@
 // NaN on all its pages; a page id outside [0, num_pages) is never read: its tokens score NaN,
 // which poisons the rows that see them. No key outside the cache is read.
 //
-// Registers (ptxas -v, 128 threads): 48-108 for RPT <= 16; RPT = 32: ~80-90 for pass 2 and 168
-// for pass 1 (m, l and s of 32 rows), where ptxas spills up to 36 bytes (a few values of the
-// token loop, none in the head-dim loop); __launch_bounds__(128, 1) would remove the spills at
-// 181-224 registers, i.e. 2 instead of 3 CTAs per SM -- to be decided by a GPU measurement.
+// Registers (ptxas -v, 128 threads, sm80 / sm90): 27-108 for RPT <= 16 and for pass 2 at
+// RPT = 32 (80-90), 168 for pass 1 at RPT = 32 (m, l and s of 32 rows), where ptxas spills up to
+// 36 bytes (bf16/fp16 strided path: a few row sums reloaded once per token, none in the head-dim
+// loop); some small variants spill 4-16 bytes (in the SASS checked: one value stored before the
+// loops, reloaded after). __launch_bounds__(128, 1) removes the pass-1 spills at 181-224
+// registers, i.e. 2 instead of 3 CTAs per SM -- to be decided by a GPU measurement.
 //
 // STATUS: compiled for sm80 / sm90, emulator-checked (csrc/cuda/emu); NOT yet run on GPU
 // hardware.
