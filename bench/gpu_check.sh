@@ -5,7 +5,9 @@
 #      device's compute capability, MAX_JOBS = all cores);
 #   2. runs tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph
 #      replay of a whole decode step, no host sync, workspace = formula, top-k ties/NaN; the
-#      CPU-only emulation tests are skipped here) and the huge-block-size tests;
+#      CPU-only emulation tests are skipped here), tests/test_paged_block_scores_cuda.py (the
+#      paged_block_scores kernel vs its reference, graph capture, no sync) and the
+#      huge-block-size tests;
 #   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, block sizes 1 and
 #      16, Llama-3-8B / Qwen3-8B attention shape) and prints its table, with the workspace
 #      bytes of every verify call (measured and formula) and the host syncs per op-level
@@ -66,12 +68,12 @@ echo "build ok in $(( $(date +%s) - B0 ))s"
 SO=$(ls python/vegas_ext/_C*.so | head -1)
 command -v cuobjdump >/dev/null && cuobjdump --list-elf "$SO" || true
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention')))"
+"$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention','paged_block_scores')))"
 
-step "2/4 tests/test_cuda_ops.py"
+step "2/4 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py"
 set +e
 VEGAS_SKIP_EMULATOR=1 timeout 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
-  "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
+  tests/test_paged_block_scores_cuda.py "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
 trc=${PIPESTATUS[0]}
 set -e

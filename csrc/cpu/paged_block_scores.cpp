@@ -74,55 +74,15 @@ at::Tensor paged_block_scores_cpu(const at::Tensor& q, const at::Tensor& key_cac
                                   const at::Tensor& query_start_loc, int64_t num_queries,
                                   double scale) {
   const char* op = "vegas::paged_block_scores";
-  TORCH_CHECK(q.dim() == 3, op, ": q must be 3-D [T, H_q, D], got shape ", q.sizes());
-  TORCH_CHECK(key_cache.dim() == 4, op,
-              ": key_cache must be 4-D [num_pages, H_kv, page_size, D], got shape ",
-              key_cache.sizes());
-  TORCH_CHECK(is_attn_dtype(q.scalar_type()), op, ": q must be float32, bfloat16 or float16, got ",
-              q.scalar_type());
-  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type(), op, ": key_cache dtype (",
-              key_cache.scalar_type(), ") must equal q dtype (", q.scalar_type(), ")");
-  check_same_device(op, q, "q", key_cache, "key_cache");
-  check_same_device(op, q, "q", block_table, "block_table");
-  check_same_device(op, q, "q", seq_lens, "seq_lens");
-  check_same_device(op, q, "q", query_start_loc, "query_start_loc");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt, op,
-              ": block_table must be int32 [R, max_pages], got ", block_table.scalar_type(), " ",
-              block_table.sizes());
-  const int64_t R = block_table.size(0);
-  check_int32_vector(op, seq_lens, "seq_lens", R);
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == R + 1 &&
-                  query_start_loc.scalar_type() == at::kInt,
-              op, ": query_start_loc must be int32 of shape [R + 1] = [", R + 1, "], got ",
-              query_start_loc.scalar_type(), " ", query_start_loc.sizes());
-  TORCH_CHECK(q.size(2) == key_cache.size(3), op, ": key_cache head_dim (", key_cache.size(3),
-              ") must equal q head_dim (", q.size(2), ")");
-  const int64_t Hq = q.size(1), Hkv = key_cache.size(1);
-  TORCH_CHECK(Hkv > 0 && Hq > 0 && Hq % Hkv == 0, op, ": the number of query heads H_q (", Hq,
-              ") must be a positive multiple of the number of KV heads H_kv (", Hkv, ")");
-  TORCH_CHECK(num_queries >= 1, op, ": num_queries must be >= 1, got ", num_queries);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be a positive finite float, got ",
-              scale);
+  const PagedShape sh = check_paged_inputs(op, q, key_cache, block_table, seq_lens,
+                                           query_start_loc, num_queries, scale);
   const at::Tensor bt = block_table.contiguous(), lens_t = seq_lens.contiguous(),
                    qsl_t = query_start_loc.contiguous();
   const int32_t* lens = lens_t.data_ptr<int32_t>();
   const int32_t* qsl = qsl_t.data_ptr<int32_t>();
   const int32_t* btp = bt.data_ptr<int32_t>();
-  const int64_t P = bt.size(1), ps = key_cache.size(2), NP = key_cache.size(0);
-  TORCH_CHECK(ps >= 1, op, ": page_size (key_cache.size(2)) must be >= 1");
-  TORCH_CHECK(qsl[0] == 0 && qsl[R] <= q.size(0), op, ": query_start_loc must start at 0 and end at ",
-              "most at T = ", q.size(0), ", got [", qsl[0], " .. ", qsl[R], "]");
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t ql = qsl[r + 1] - qsl[r];
-    TORCH_CHECK(ql >= 0, op, ": query_start_loc must be non-decreasing, got ", qsl[r], " then ",
-                qsl[r + 1], " at request ", r);
-    TORCH_CHECK(lens[r] >= ql && lens[r] <= P * ps, op, ": seq_lens[", r, "] = ", lens[r],
-                " must lie in [q_len, max_pages * page_size] = [", ql, ", ", P * ps, "]");
-    if (ql == 0) continue;
-    for (int64_t j = 0; j < ceil_div(lens[r], ps); ++j)
-      TORCH_CHECK(btp[r * P + j] >= 0 && btp[r * P + j] < NP, op, ": block_table[", r, ", ", j,
-                  "] = ", btp[r * P + j], " must lie in [0, num_pages) = [0, ", NP, ")");
-  }
+  check_paged_values(op, qsl, lens, btp, sh);
+  const int64_t R = sh.R, Hq = sh.Hq, Hkv = sh.Hkv, P = sh.max_pages, ps = sh.page_size;
   PagedDims d{R, Hq, Hkv, Hq / Hkv, q.size(2), ps, P, q.stride(0), q.stride(1), q.stride(2),
               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3)};
   auto out = at::empty({R, Hkv, P}, q.options().dtype(at::kFloat));

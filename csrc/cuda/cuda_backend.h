@@ -1,7 +1,8 @@
 // The CUDA backend of csrc/cuda/ops_host.h: current stream (so CUDA graphs capture the
 // launches), launch-error checks, opt-in shared memory above 48 KiB. Nothing here
 // synchronizes with the device by default: the value checks that copy seq_lens /
-// tail_start / block indices / k / num_candidates to the host run only with
+// tail_start / block indices / k / num_candidates (/ query_start_loc, seq_lens and
+// block_table of paged_block_scores) to the host run only with
 // VEGAS_CUDA_VALUE_CHECKS=1 (a debugging aid: one blocking copy per checked tensor) and
 // never while the stream is capturing a CUDA graph; otherwise the kernels' device-side
 // guards apply (ops_host.h). VEGAS_CUDA_FORCE_SIMT=1 uses the SIMT kernels even where
@@ -51,6 +52,7 @@ struct CudaBackend {
     return n;
   }
   int min_tiles_per_split() const { return kMinTilesPerSplit; }
+  int paged_chunk_tokens() const { return kPagedChunkTokens; }
   at::Tensor to_host(const at::Tensor& t) const { return t.to(at::kCPU); }
 
   template <class... KArgs, class... Args>

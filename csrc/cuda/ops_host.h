@@ -8,6 +8,7 @@
 //   bool force_simt();            // use the SIMT kernels even where mma applies
 //   int num_sms();
 //   int min_tiles_per_split();    // kMinTilesPerSplit; the emulation lowers it to test splits
+//   int paged_chunk_tokens();     // kPagedChunkTokens; the emulation lowers it to test chunks
 //   at::Tensor to_host(const at::Tensor&);
 //   void launch(kernel, Grid3 grid, int threads, size_t smem, args...);
 //
@@ -21,7 +22,9 @@
 // draft, whose tail_start is outside [0, seq_lens - Q]) gets NaN in all its outputs
 // (out, lse, block_scores); block indices outside [0, ceil(S / block_size)) select
 // nothing; a block index repeated in a row is attended twice (only the host check sees
-// it); block_topk clamps negative k / num_candidates to 0.
+// it); block_topk clamps negative k / num_candidates to 0; paged_block_scores gives NaN pages
+// to a request whose query_start_loc pair or seq_len is out of range, and NaN scores (never a
+// read) to the tokens of a page id outside [0, num_pages) (paged_block_scores_kernel.cuh).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,6 +40,7 @@
 #include "checks.h"
 #include "cuda/attention_params.h"
 #include "cuda/block_topk_kernel.cuh"
+#include "cuda/paged_block_scores_kernel.cuh"
 #include "cuda/sparse_draft_attention_kernel.cuh"
 #include "cuda/verify_attention_kernel.cuh"
 
@@ -369,6 +373,152 @@ at::Tensor block_topk_impl(Backend& be, const at::Tensor& scores_in, const at::T
   p.max_k = static_cast<int>(max_k);
   p.num_sink_blocks = static_cast<int>(std::min<int64_t>(num_sink_blocks, INT32_MAX));
   be.launch(&block_topk_kernel, Grid3{B * H, 1, 1}, kTopkThreads, kTopkSmemBytes, p);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// paged_block_scores
+// ---------------------------------------------------------------------------
+// Launch plan of one call, from shapes only (no device values): chunks of ppc pages (about
+// chunk_tokens tokens, at most kPagedMaxChunkPages pages), one CTA per (request, KV head,
+// chunk) of the largest possible sequence max_pages * page_size (CTAs past a request's
+// seq_len only write zeros); chunks grow when the grid would exceed kPagedMaxCtas or the
+// workspace 256 MiB. rpt: rows per pass over the keys (4, 8, 16 or 32).
+struct PagedPlan {
+  int64_t ppc, nchunks, rows_cap;
+  int rpt;
+  int64_t workspace_bytes() const { return 2 * rows_cap * nchunks * int64_t(sizeof(float)) * bgs; }
+  int64_t bgs;  // R * H_kv
+};
+
+inline PagedPlan plan_paged(int64_t R, int64_t Hkv, int64_t G, int64_t T, int64_t P, int64_t ps,
+                            int64_t num_queries, int64_t chunk_tokens) {
+  PagedPlan pl{};
+  pl.bgs = R * Hkv;
+  pl.rows_cap = std::min(T, num_queries) * G;
+  pl.rpt = pl.rows_cap <= 4 ? 4 : pl.rows_cap <= 8 ? 8 : pl.rows_cap <= 16 ? 16 : 32;
+  if (P == 0 || pl.bgs == 0) {
+    pl.ppc = 1;
+    pl.nchunks = 0;
+    return pl;
+  }
+  const int64_t maxp = std::min<int64_t>(P, kPagedMaxChunkPages);
+  int64_t ppc = std::min(maxp, std::max<int64_t>(1, ceil_div(std::max<int64_t>(chunk_tokens, 1), ps)));
+  if (sat_mul(pl.bgs, ceil_div(P, ppc)) > kPagedMaxCtas) {
+    const int64_t target = std::max<int64_t>(1, kPagedMaxCtas / pl.bgs);
+    ppc = std::min(maxp, std::max(ppc, ceil_div(P, target)));
+  }
+  constexpr int64_t kMaxWorkspace = int64_t(256) << 20;
+  while (ppc < maxp && sat_mul(sat_mul(2 * sizeof(float), pl.bgs),
+                               sat_mul(pl.rows_cap, ceil_div(P, ppc))) > kMaxWorkspace)
+    ppc = std::min(maxp, 2 * ppc);
+  pl.ppc = ppc;
+  pl.nchunks = ceil_div(P, ppc);
+  return pl;
+}
+
+// Whether the key rows can be read with 16-byte loads: contiguous head_dim (a multiple of 8),
+// 16-byte aligned base and page / head / slot strides.
+inline bool paged_keys_vectorizable(const at::Tensor& k) {
+  const int64_t v = 16 / static_cast<int64_t>(k.element_size());
+  return k.size(3) % 8 == 0 && k.stride(3) == 1 && reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
+         k.stride(0) % v == 0 && k.stride(1) % v == 0 && k.stride(2) % v == 0;
+}
+
+template <typename T, int RPT, bool VEC, class Backend>
+void launch_paged(Backend& be, const PagedParams& prm, int64_t bgs, int64_t nchunks) {
+  const size_t q_bytes = size_t(RPT) * prm.ldq * sizeof(float);
+  const size_t smem1 = q_bytes + size_t(kPagedWarps) * RPT * 2 * sizeof(float);
+  const size_t smem2 = q_bytes + (size_t(RPT) + kPagedThreads + prm.ppc) * sizeof(float);
+  const Grid3 grid{bgs, nchunks, 1};
+  be.launch(&paged_stats_kernel<T, RPT, VEC>, grid, kPagedThreads, smem1, prm);
+  be.launch(&paged_scores_kernel<T, RPT, VEC>, grid, kPagedThreads, smem2, prm);
+}
+
+template <typename T, class Backend>
+void dispatch_paged(Backend& be, const PagedParams& prm, const PagedPlan& pl, bool vec) {
+  auto go = [&](auto rpt_tag) {
+    constexpr int RPT = decltype(rpt_tag)::value;
+    if (vec) launch_paged<T, RPT, true>(be, prm, pl.bgs, pl.nchunks);
+    else launch_paged<T, RPT, false>(be, prm, pl.bgs, pl.nchunks);
+  };
+  switch (pl.rpt) {
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    default: go(std::integral_constant<int, 32>{}); break;
+  }
+}
+
+template <class Backend>
+at::Tensor paged_block_scores_impl(Backend& be, const at::Tensor& q, const at::Tensor& key_cache,
+                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                   const at::Tensor& query_start_loc, int64_t num_queries,
+                                   double scale) {
+  const char* op = "vegas::paged_block_scores";
+  const PagedShape s = check_paged_inputs(op, q, key_cache, block_table, seq_lens,
+                                          query_start_loc, num_queries, scale);
+  TORCH_CHECK(s.D <= 256, op, ": head_dim must be <= 256 for the CUDA kernel, got ", s.D);
+  TORCH_CHECK(sat_mul(sat_mul(s.max_pages, s.page_size), 2) < INT32_MAX, op,
+              ": max_pages * page_size must be below 2^30 for the CUDA kernel, got ",
+              s.max_pages, " * ", s.page_size);
+  TORCH_CHECK(s.T < INT32_MAX && sat_mul(s.R, s.Hkv) < INT32_MAX &&
+                  sat_mul(std::min(s.T, num_queries), s.G) < INT32_MAX,
+              op, ": too many tokens / requests / heads for the CUDA kernel");
+  const at::Tensor bt = block_table.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const at::Tensor qsl = query_start_loc.contiguous();
+  if (be.value_checks()) {
+    const at::Tensor hq = be.to_host(qsl);
+    const at::Tensor hl = be.to_host(lens);
+    const at::Tensor hb = be.to_host(bt);
+    check_paged_values(op, hq.data_ptr<int32_t>(), hl.data_ptr<int32_t>(), hb.data_ptr<int32_t>(), s);
+  }
+  at::Tensor out = at::empty({s.R, s.Hkv, s.max_pages}, q.options().dtype(at::kFloat));
+  if (s.R == 0 || s.max_pages == 0) return out.zero_();
+  const PagedPlan pl = plan_paged(s.R, s.Hkv, s.G, s.T, s.max_pages, s.page_size, num_queries,
+                                  be.paged_chunk_tokens());
+  TORCH_CHECK(pl.nchunks <= 65535, op, ": max_pages = ", s.max_pages,
+              " needs more than 65535 chunks in the CUDA kernel");
+  at::Tensor ws = at::empty({std::max<int64_t>(pl.workspace_bytes() / 4, 1)},
+                            q.options().dtype(at::kFloat));
+  PagedParams p{};
+  p.q = q.data_ptr();
+  p.k = key_cache.data_ptr();
+  p.block_table = bt.data_ptr<int32_t>();
+  p.seq_lens = lens.data_ptr<int32_t>();
+  p.qsl = qsl.data_ptr<int32_t>();
+  p.out = out.data_ptr<float>();
+  p.ws_m = ws.data_ptr<float>();
+  p.ws_l = p.ws_m + pl.bgs * pl.rows_cap * pl.nchunks;
+  p.bt_stride = bt.stride(0);
+  p.qs_t = q.stride(0);
+  p.qs_h = q.stride(1);
+  p.qs_d = q.stride(2);
+  p.ks_p = key_cache.stride(0);
+  p.ks_h = key_cache.stride(1);
+  p.ks_t = key_cache.stride(2);
+  p.ks_d = key_cache.stride(3);
+  p.num_pages = s.num_pages;
+  p.T = static_cast<int>(s.T);
+  p.Hkv = static_cast<int>(s.Hkv);
+  p.G = static_cast<int>(s.G);
+  p.D = static_cast<int>(s.D);
+  p.ldq = static_cast<int>(ceil_div(s.D, 8) * 8);
+  p.page_size = static_cast<int>(s.page_size);
+  p.P = static_cast<int>(s.max_pages);
+  p.num_queries = static_cast<int>(std::min(num_queries, std::max<int64_t>(s.T, 1)));
+  p.rows_cap = static_cast<int>(pl.rows_cap);
+  p.nchunks = static_cast<int>(pl.nchunks);
+  p.ppc = static_cast<int>(pl.ppc);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  const bool vec = paged_keys_vectorizable(key_cache);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_paged<float>(be, p, pl, vec); break;
+    case at::kBFloat16: dispatch_paged<bf16_t>(be, p, pl, vec); break;
+    case at::kHalf: dispatch_paged<half_t>(be, p, pl, vec); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", q.scalar_type());
+  }
   return out;
 }
 

@@ -693,7 +693,14 @@ def paged_block_scores(
         multiple of H_kv, head_dim mismatch, seq_lens outside the range, a
         page id outside ``[0, num_pages)``, num_queries < 1, a non-positive scale.
 
-    On CUDA tensors the plain-PyTorch reference runs (no CUDA kernel yet).
+    CPU and CUDA kernels. The CUDA kernel (two passes over the keys: per-row max / sum, then
+    per-page sums normalized by the row's log-sum-exp; head_dim <= 256) is emulator-checked but
+    not yet run on a GPU: like the other CUDA kernels it runs only when enabled
+    (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`), else CUDA tensors use the
+    checked plain-PyTorch reference. It makes no host sync: the values of ``seq_lens``,
+    ``query_start_loc`` and ``block_table`` are checked on the host only with
+    ``VEGAS_CUDA_VALUE_CHECKS=1``; without, a request with out-of-range lengths gets NaN pages
+    and a page id outside the cache is not read (the rows that see it get NaN).
     """
     return torch.ops.vegas.paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
 

@@ -1,5 +1,6 @@
 // Host-C++ build of the vegas CUDA kernels against the software emulation
-// (emu_runtime.h), exposing the three ops on CPU tensors so tests can compare the
+// (emu_runtime.h), exposing the CUDA ops (verify / draft attention, top-k, paged block
+// scores) on CPU tensors so tests can compare the
 // kernels' logic -- tensor-core and SIMT paths, splits, block-score slots, top-k
 // radix select -- with the PyTorch references without a GPU. Built on demand by
 // tests/test_cuda_ops.py (torch.utils.cpp_extension.load). The host logic is the same
@@ -20,7 +21,9 @@ struct EmuBackend {
   int sms = 4;
   int checks = -1;  // 1 / 0: value checks on / off; -1: as on CUDA (VEGAS_CUDA_VALUE_CHECKS)
   int min_tiles = 1;
+  int chunk_tokens = vegas::cuda::kPagedChunkTokens;
   int min_tiles_per_split() const { return min_tiles; }
+  int paged_chunk_tokens() const { return chunk_tokens; }
   bool value_checks() const {
     return checks < 0 ? vegas::cuda::value_checks_requested() : checks != 0;
   }
@@ -65,6 +68,29 @@ at::Tensor block_topk_emu(const at::Tensor& scores, const at::Tensor& k, const a
   return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks);
 }
 
+at::Tensor paged_block_scores_emu(const at::Tensor& q, const at::Tensor& key_cache,
+                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, int64_t num_queries,
+                                 double scale, int64_t chunk_tokens, int64_t sms, int64_t checks) {
+  EmuBackend be{false, int(sms), int(checks)};
+  be.chunk_tokens = int(chunk_tokens);
+  return vegas::cuda::paged_block_scores_impl(be, q, key_cache, block_table, seq_lens,
+                                              query_start_loc, num_queries, scale);
+}
+
+// The launch plan of paged_block_scores: (pages per chunk, chunks, rows_cap, rows per pass,
+// workspace bytes, 16-byte key loads).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool> paged_plan(
+    const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& block_table,
+    int64_t num_queries, int64_t chunk_tokens) {
+  const int64_t Hkv = key_cache.size(1);
+  const auto pl = vegas::cuda::plan_paged(block_table.size(0), Hkv, q.size(1) / Hkv, q.size(0),
+                                          block_table.size(1), key_cache.size(2), num_queries,
+                                          chunk_tokens);
+  return {pl.ppc, pl.nchunks, pl.rows_cap, pl.rpt, pl.workspace_bytes(),
+          vegas::cuda::paged_keys_vectorizable(key_cache)};
+}
+
 bool mma_path(const at::Tensor& q, const at::Tensor& k) {
   const bool al = vegas::cuda::rows_16b_aligned(k);
   return vegas::cuda::mma_applies(q.scalar_type(), q.size(-1), al, al);
@@ -92,6 +118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("verify_attention", &verify_attention_emu);
   m.def("sparse_draft_attention", &sparse_draft_attention_emu);
   m.def("block_topk", &block_topk_emu);
+  m.def("paged_block_scores", &paged_block_scores_emu);
+  m.def("paged_plan", &paged_plan);
   m.def("mma_path", &mma_path);
   m.def("workspace_bytes", &workspace_bytes);
   m.def("score_mode", &score_mode);

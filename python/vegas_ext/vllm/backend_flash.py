@@ -4,8 +4,8 @@ Same contract as :mod:`vegas_ext.vllm.backend` for vLLM's FlashAttention backend
 ``v1/attention/backends/flash_attn.py`` of vLLM 0.32 (cache ``[num_blocks, H_kv, block_size,
 2 * D]``, keys in the first ``D`` of the last dim, ``FlashAttentionImpl.forward`` splitting it at
 line 1252) and registered only when ``VEGAS_VLLM_ALLOW_CUDA=1``. The page scores come from
-:func:`vegas_ext.ops.paged_block_scores`, which runs its PyTorch reference on CUDA tensors (no CUDA
-kernel yet). Run vLLM with ``compilation_config={"cudagraph_mode": "PIECEWISE"}``: under a full
+:func:`vegas_ext.ops.paged_block_scores`, which runs its CUDA kernel when the CUDA kernels are
+enabled (``VEGAS_CUDA_KERNELS=1``; not yet run on a GPU) and its PyTorch reference otherwise. Run vLLM with ``compilation_config={"cudagraph_mode": "PIECEWISE"}``: under a full
 CUDA graph the attention's Python does not run, no scores are recorded and the drafts fall back to
 StreamingLLM pages.
 """
