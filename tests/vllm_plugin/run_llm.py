@@ -5,7 +5,7 @@ vLLM's processes).
     python tests/vllm_plugin/run_llm.py CONFIG.json OUT.json
 
 CONFIG: ``{"llm": {LLM kwargs}, "prompts": [token id lists], "sampling": {SamplingParams kwargs},
-"n_seeds": optional int (one request per seed, same prompt), "n_copies": optional int (unseeded copies), "expect_error": optional bool}``.
+"n_seeds": optional int (one request per seed, same prompt; seeds from "seed_offset", default 0), "n_copies": optional int (unseeded copies), "expect_error": optional bool}``.
 OUT: ``{"outputs": [[token ids]], "metrics": {name: value}, "seconds": {"init": s, "generate": s},
 "error": optional str}``.
 """
@@ -43,7 +43,8 @@ def main(cfg_path, out_path):
     sp = cfg.get("sampling", {})
     prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
     if cfg.get("n_seeds"):
-        params = [SamplingParams(**sp, seed=s) for s in range(cfg["n_seeds"])]
+        s0 = cfg.get("seed_offset", 0)
+        params = [SamplingParams(**sp, seed=s0 + s) for s in range(cfg["n_seeds"])]
         prompts = prompts * cfg["n_seeds"]
     elif cfg.get("n_copies"):  # unseeded copies: the engine's own random stream
         params = SamplingParams(**sp)

