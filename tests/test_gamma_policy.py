@@ -76,6 +76,42 @@ def test_auto_switches_back_on_when_speculation_starts_to_pay():
     assert gs[-1] >= 4 and gs[-10:].count(0) == 0
 
 
+
+def test_auto_stays_plain_near_break_even():
+    """A predicted gain inside the margin (here ~1 %) is not taken: plain steps, apart from probes."""
+    p = AutoGamma(8)
+    # every draft accepted, but a draft step costs 0.9 of a plain step (verification as a plain step)
+    _warm(p, t_draft=0.09, c0=0.1, c1=0.0, acc=3)
+    gs = []
+    for _ in range(30):
+        g = p.choose(CAPS, 8)
+        gs.append(g)
+        _feed(p, g, 0.09, 0.1, 0.0, [g, g], [g, g])
+    plain = p.expected_tokens(0, CAPS) / p.relative_cost(0)
+    best = max(p.expected_tokens(g, CAPS) / p.relative_cost(g) for g in range(1, 9)) / plain
+    assert 1.0 < best < 1.03  # a gain, but inside the margin
+    assert gs.count(0) >= 25 and all(g >= 3 for g in gs if g)  # probes draft at least first_gamma
+
+
+def test_auto_batch_one_recovers_from_early_rejections():
+    """Batch 1: the first drafts are all rejected (speculation looks lost), then every draft is
+    accepted; the probes see several positions each and speculation comes back within a few
+    probes instead of staying off for the run."""
+    caps = torch.tensor([200])
+    p = AutoGamma(8)
+    assert p.choose(caps, 8) == 3
+    p.observe_iteration(IterationCosts(3, 3 * 0.04, 0.11 + 0.01 * 4, 0.001), torch.tensor([3]), torch.tensor([0]))
+    assert p.choose(caps, 8) == 0
+    p.observe_iteration(IterationCosts(0, 0.0, 0.11, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+    gs = []
+    for _ in range(60):
+        g = p.choose(caps, 8)
+        gs.append(g)
+        p.observe_iteration(IterationCosts(g, g * 0.04, 0.1 + 0.01 * (g + 1), 0.001 if g else 0.0, scored=g > 0),
+                            torch.tensor([g]), torch.tensor([g]))
+    first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
+    assert first_on <= 20 and gs[-20:].count(0) == 0
+
 def test_auto_respects_limits_and_caps():
     p = AutoGamma(8)
     assert p.choose(CAPS, 0) == 0  # nothing may be drafted

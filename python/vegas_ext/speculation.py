@@ -123,20 +123,28 @@ class AutoGamma(GammaPolicy):
       each ``q`` (weighted by their count), ``c0, c1 >= 0``. ``g = 0`` is a plain step through the
       same verification kernel: its cost is ``t_verify(1)``.
 
+    A ``g > 0`` is chosen only when its predicted rate beats the plain step's by more than
+    ``margin`` (3 %: the cost model's own error on a busy machine is of that order, and a wrong
+    choice near break-even costs more than it gains).
+
     Warm-up: the first iteration drafts ``first_gamma`` tokens and the second none, so that both
     a speculative and a plain iteration have been timed. After ``probe_interval`` plain
-    iterations in a row it runs one probing iteration with the best ``g >= 1`` (acceptance and
-    draft costs keep being learned, e.g. as the context grows); a probe that does not switch
-    speculation back on doubles the interval, up to ``max_probe_interval``.
+    iterations in a row it runs one probing iteration with the best ``g >= 1``, at least
+    ``first_gamma`` (acceptance and draft costs keep being learned, e.g. as the context grows, and a probe sees
+    several draft positions); a probe that does not switch speculation back on doubles the
+    interval, up to ``max_probe_interval``. The acceptance counts are forgotten slowly
+    (``acceptance_decay`` 0.97 per iteration) behind a prior worth ``prior_weight`` trials, so
+    that a few early rejections at batch 1 do not turn speculation off for the rest of the run.
 
     Lossless whatever it picks: the choice depends on past timings and acceptances only.
     The expected-tokens formula generalizes ``(1 - a^(g+1)) / (1 - a)`` of Leviathan et al.
     (ICML 2023) to per-position rates.
     """
 
-    def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 2.0,
-                 acceptance_decay: float = 0.9, cost_ema: float = 0.5, window: int = 5,
-                 first_gamma: int = 3, probe_interval: int = 4, max_probe_interval: int = 32):
+    def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 4.0,
+                 acceptance_decay: float = 0.97, cost_ema: float = 0.5, window: int = 5,
+                 first_gamma: int = 3, probe_interval: int = 4, max_probe_interval: int = 16,
+                 margin: float = 0.03):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
             raise ValueError(f"max_speculative_tokens must be >= 1 with num_speculative_tokens='auto', got {max_gamma}")
@@ -145,6 +153,7 @@ class AutoGamma(GammaPolicy):
         self.first_gamma = max(1, min(int(first_gamma), self.max_gamma))
         self.min_probe_interval = self.probe_interval = int(probe_interval)
         self.max_probe_interval = int(max_probe_interval)
+        self.margin = float(margin)
         self.tries = [0.0] * self.max_gamma
         self.successes = [0.0] * self.max_gamma
         self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
@@ -223,13 +232,16 @@ class AutoGamma(GammaPolicy):
             g = 0
         else:
             rate = [self.expected_tokens(g, caps) / max(self.relative_cost(g), 1e-12) for g in range(hi + 1)]
+            rate[0] *= 1.0 + self.margin  # speculate only on a clear predicted gain
             g = max(range(hi + 1), key=lambda i: rate[i])
             if g > 0:
                 self._plain_run, self.probe_interval = 0, self.min_probe_interval
             else:
                 self._plain_run += 1
                 if self._plain_run >= self.probe_interval:
+                    # at least first_gamma drafts, so the probe measures several draft positions
                     g = max(range(1, hi + 1), key=lambda i: rate[i])
+                    g = max(g, min(self.first_gamma, hi))
                     self.num_probes += 1
                     self._plain_run = 0
                     self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
