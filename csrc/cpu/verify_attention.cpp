@@ -160,9 +160,9 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
   if (!finish_in_task)
     parallel_tasks(
-        B * Hkv, R * N, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
-        [&](TaskBuffers& tb, int64_t bg) {
-          finish(bg, bsum_all + bg * nsplit * bsum_stride, tb.row_lse.data(), tb.f.data());
+        B * Hkv, R * N, [&] { return std::vector<float>(2 * Rp, 0.f); },  // row_lse | f
+        [&](std::vector<float>& rs, int64_t bg) {
+          finish(bg, bsum_all + bg * nsplit * bsum_stride, rs.data(), rs.data() + Rp);
         });
   if (q.scalar_type() != at::kFloat) out.copy_(out32);
 }
