@@ -110,18 +110,25 @@ class AutoGamma(GammaPolicy):
     * expected tokens of row ``b``: ``1 + sum_{j <= min(g, caps[b])} prod_{i <= j} a_i``, with
       ``a_i`` the running estimate of the probability that draft ``i`` is accepted given that the
       drafts before it were (pooled over rows; exponentially forgotten counts, factor
-      ``acceptance_decay`` per iteration, with a prior of ``prior_weight`` pseudo-trials at
-      ``prior_acceptance`` for position 1 and at the estimate of position ``i - 1`` for
-      position ``i``);
+      ``acceptance_decay`` per iteration). Each position's prior is ``prior_weight`` pseudo-trials
+      at the rate pooled over all positions (itself behind ``prior_weight`` pseudo-trials at
+      ``prior_acceptance``): positions the recent iterations did not reach take the pooled rate
+      instead of staying wherever their last few trials left them (conditional acceptance
+      varies little with the position: 0.86-0.95 at positions 1-4 on the embedded model), so that
+      drafting short for a while does not make longer drafts look worse than they are;
     * cost: ``g * t_draft + t_verify(g + 1) + (t_select if g > 0)``, from the loop's own timings.
       Every timing is divided by the current plain-step time ``t_plain`` (a moving average, weight
       ``cost_ema``, of the plain steps' verification times; the plain step right before a
       speculative iteration is adjacent in time), so that a machine that slows down or speeds up
       between plain and speculative iterations does not bias the comparison; ``t_draft`` and
       ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
-      a least-squares fit through the median ratio of the last ``window`` verification passes of
-      each ``q`` (weighted by their count), ``c0, c1 >= 0``. ``g = 0`` is a plain step through the
-      same verification kernel: its cost is ``t_verify(1)``.
+      a least-squares fit through the median ratio of each ``q`` among the last ``2 * window``
+      speculative verification passes (``q >= 2``; weighted by their count, so that timings from
+      an earlier regime expire), ``c0, c1 >= 0``; while they all share one ``q``, the line through
+      it and the plain step ``(1, 1)``. ``g = 0`` is a plain step through the
+      same verification kernel: its cost is one plain step by definition (a speculative
+      verification also scores the KV blocks, which a plain step does not, so the plain steps are
+      kept out of the fit).
 
     A ``g > 0`` is chosen only when its predicted rate beats the plain step's by more than
     ``margin`` (3 %: the cost model's own error on a busy machine is of that order, and a wrong
@@ -129,10 +136,11 @@ class AutoGamma(GammaPolicy):
 
     Warm-up: the first iteration drafts ``first_gamma`` tokens and the second none, so that both
     a speculative and a plain iteration have been timed. After ``probe_interval`` plain
-    iterations in a row it runs one probing iteration with the best ``g >= 1``, at least
-    ``first_gamma`` (acceptance and draft costs keep being learned, e.g. as the context grows, and a probe sees
-    several draft positions); a probe that does not switch speculation back on doubles the
-    interval, up to ``max_probe_interval``. The acceptance counts are forgotten slowly
+    iterations in a row it runs one probing iteration with the best ``g >= 1`` by predicted rate
+    (acceptance and draft costs keep being learned, e.g. as the context grows; the pooled
+    acceptance lets a short probe inform every position, and the cheapest informative probe
+    costs least where speculation loses); a probe that does not switch speculation back on
+    doubles the interval, up to ``max_probe_interval``. The acceptance counts are forgotten slowly
     (``acceptance_decay`` 0.97 per iteration) behind a prior worth ``prior_weight`` trials, so
     that a few early rejections at batch 1 do not turn speculation off for the rest of the run.
 
@@ -143,7 +151,7 @@ class AutoGamma(GammaPolicy):
 
     def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 4.0,
                  acceptance_decay: float = 0.97, cost_ema: float = 0.5, window: int = 5,
-                 first_gamma: int = 3, probe_interval: int = 4, max_probe_interval: int = 16,
+                 first_gamma: int = 2, probe_interval: int = 4, max_probe_interval: int = 16,
                  margin: float = 0.03):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
@@ -159,7 +167,7 @@ class AutoGamma(GammaPolicy):
         self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
         self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
         self._select_ratios: List[float] = []
-        self._verify_ratios: Dict[int, List[float]] = {}  # q -> verify(q) / t_plain, last `window`
+        self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain), last 2 * `window` with q >= 2
         self._pending: List[IterationCosts] = []  # timed before the first plain step
         self.num_probes = 0
         self._plain_run = 0
@@ -167,17 +175,21 @@ class AutoGamma(GammaPolicy):
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> List[float]:
         """``[max_gamma]`` current estimates ``a_i`` (conditional acceptance at draft position i)."""
-        out, prior = [], self.prior_acceptance
-        for s, n in zip(self.successes, self.tries):
-            a = (s + self.prior_weight * prior) / (n + self.prior_weight)
-            out.append(a)
-            prior = a
-        return out
+        w = self.prior_weight
+        pooled = (sum(self.successes) + w * self.prior_acceptance) / (sum(self.tries) + w)
+        return [(s + w * pooled) / (n + w) for s, n in zip(self.successes, self.tries)]
 
     def _verify_fit_ratio(self) -> Tuple[float, float]:
-        pts = [(q, _median(v), len(v)) for q, v in self._verify_ratios.items() if v]
+        by_q: Dict[int, List[float]] = {}
+        for q, r in self._verify_obs:
+            by_q.setdefault(q, []).append(r)
+        pts = [(q, _median(v), len(v)) for q, v in by_q.items()]
         if not pts:
             return 1.0, 0.0
+        if len(pts) == 1:  # one q >= 2 timed: the line through it and the plain step (1, 1)
+            q, t, _ = pts[0]
+            c1 = max(0.0, (t - 1.0) / (q - 1))
+            return t - c1 * q, c1
         sw = sum(w for _, _, w in pts)
         mq = sum(q * w for q, _, w in pts) / sw
         mt = sum(t * w for _, t, w in pts) / sw
@@ -193,14 +205,17 @@ class AutoGamma(GammaPolicy):
         return c0, c1
 
     def verify_fit(self) -> Tuple[float, float]:
-        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` at the current ``t_plain`` (``c1 = 0``
-        until two different ``q`` were timed; ``(0, 0)`` before any plain step)."""
+        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` (speculative verification passes,
+        ``q >= 2``) at the current ``t_plain``: through the plain step while a single ``q`` was
+        timed; ``(t_plain, 0)`` before any; ``(0, 0)`` before any plain step."""
         c0, c1 = self._verify_fit_ratio()
         tp = self.t_plain or 0.0
         return c0 * tp, c1 * tp
 
     def relative_cost(self, g: int) -> float:
-        """Predicted time of an iteration with ``g`` drafts, in plain steps."""
+        """Predicted time of an iteration with ``g`` drafts, in plain steps (1 for ``g = 0``)."""
+        if g == 0:
+            return 1.0
         c0, c1 = self._verify_fit_ratio()
         c = c0 + c1 * (g + 1)
         if g:
@@ -239,9 +254,7 @@ class AutoGamma(GammaPolicy):
             else:
                 self._plain_run += 1
                 if self._plain_run >= self.probe_interval:
-                    # at least first_gamma drafts, so the probe measures several draft positions
                     g = max(range(1, hi + 1), key=lambda i: rate[i])
-                    g = max(g, min(self.first_gamma, hi))
                     self.num_probes += 1
                     self._plain_run = 0
                     self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
@@ -264,8 +277,9 @@ class AutoGamma(GammaPolicy):
             self._pending.append(c)
             return
         tp = self.t_plain
-        self._push(self._verify_ratios.setdefault(c.gamma + 1, []), c.verify / tp)
         if c.gamma:
+            self._verify_obs.append((c.gamma + 1, c.verify / tp))
+            del self._verify_obs[: -2 * self.window]
             self._push(self._draft_ratios, c.draft / c.gamma / tp)
             if c.select > 0:
                 self._push(self._select_ratios, c.select / tp)

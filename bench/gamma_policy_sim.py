@@ -1,0 +1,139 @@
+"""Replay a gamma policy against step costs and acceptance measured by ``bench/e2e.py``.
+
+The end-to-end runs that judge ``num_speculative_tokens="auto"`` are noisy (~10 % between
+repeats on a quiet 2-core VM) and slow (the auto-gamma grid takes over an hour), too noisy to
+compare two policy variants that differ by a few per cent. This script takes, per (context,
+batch) cell of a ``runs.jsonl`` from ``bench/e2e.py``, the costs the loop measured -- a plain
+step, a draft step, the selection, and the verification pass at each ``q = gamma + 1`` of the
+fixed-gamma rows (a least-squares line through them) -- and simulates decoding with the real
+policy classes of ``vegas_ext.speculation``: every timing multiplied by a Gaussian noise factor,
+each draft accepted with probability ``p`` given that the ones before it were (several ``p``),
+rows stopping at ``--new-tokens``; a speculative iteration after plain steps is preceded by a
+plain step that scores the KV blocks, as in ``vegas_ext.decode.step``. Reported: each policy's
+decode rate relative to ``full`` (plain decoding) and to the best fixed gamma of the cell,
+medians over seeds.
+
+    python bench/gamma_policy_sim.py --runs bench/results/auto_gamma_cpu/kjv/runs.jsonl --new-tokens 64
+
+This is a model of the loop, not a measurement: it omits everything the costs do not capture
+(cache effects between phases, a machine that changes speed). It is how the policy's defaults
+were chosen; the end-to-end runs are how they are judged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+
+from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts  # noqa: E402
+
+
+def cells_from_runs(path):
+    """``{(context, batch): (t_plain, t_draft_step, t_select, verify(q) -> s)}`` in ms, from the
+    first repeat's fixed-gamma rows of an e2e ``runs.jsonl``."""
+    rows = [json.loads(line) for line in open(path)]
+    cells = {}
+    for r in rows:
+        if r.get("repeat", 0) != 0 or r["algorithm"] != "vegas" or r["num_speculative_tokens"] in ("auto", 0):
+            continue
+        c = cells.setdefault((r["context"], r["batch_size"]), {"full": r["cost_t_full_ms"], "draft": [], "sel": [], "v": {}})
+        c["draft"].append(r["cost_t_draft_step_ms"])
+        c["sel"].append(r["cost_t_select_ms"])
+        c["v"][int(r["num_speculative_tokens"]) + 1] = r["cost_t_verify_ms"]
+    out = {}
+    for key, c in sorted(cells.items()):
+        q = np.array(sorted(c["v"]))
+        c1, c0 = np.polyfit(q, np.array([c["v"][x] for x in q]), 1)
+        out[key] = (c["full"], statistics.median(c["draft"]), statistics.median(c["sel"]),
+                    (lambda x, c0=c0, c1=c1: c0 + c1 * x))
+    return out
+
+
+def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise, seed):
+    """Decode ``batch`` rows to ``n_new`` tokens with ``policy``; returns tokens per ms."""
+    rng = random.Random(seed)
+    n = [0] * batch
+    elapsed, fresh = 0.0, False
+
+    def jitter():
+        return max(0.2, 1.0 + rng.gauss(0.0, noise))
+
+    def vtime(q):
+        return (t_plain if q == 1 else verify(q)) * jitter()
+
+    while min(n) < n_new:
+        active = [b for b in range(batch) if n[b] < n_new]
+        caps = torch.tensor([n_new - n[b] - 1 for b in active])
+        g = policy.choose(caps, int(caps.max()))
+        if g and not fresh:  # the loop scores the KV blocks in a plain step first
+            policy.note_plain_step()
+            t = vtime(1)
+            elapsed += t
+            zero = torch.zeros(len(active), dtype=torch.long)
+            policy.observe_iteration(IterationCosts(0, 0.0, t, 0.0, scored=True), zero, zero)
+            for b in active:
+                n[b] += 1
+            active = [b for b in range(batch) if n[b] < n_new]
+            if not active:
+                break
+            g = min(g, max(n_new - n[b] - 1 for b in active))
+        td = g * t_draft * jitter()
+        tv = vtime(g + 1)
+        ts = t_select * jitter() if g else 0.0
+        elapsed += td + tv + ts
+        drafted, accepted = [], []
+        for b in active:
+            d = max(0, min(g, n_new - n[b] - 1))
+            a = 0
+            while a < d and rng.random() < p:
+                a += 1
+            drafted.append(d)
+            accepted.append(a)
+            n[b] += a + 1
+        fresh = g > 0
+        policy.observe_iteration(IterationCosts(g, td, tv, ts, scored=g > 0), torch.tensor(drafted), torch.tensor(accepted))
+    return batch * n_new / elapsed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default=os.path.join(HERE, "results", "auto_gamma_cpu", "kjv", "runs.jsonl"))
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.75, 0.85, 0.92],
+                    help="per-position conditional acceptance rates to simulate")
+    ap.add_argument("--fixed", type=int, nargs="+", default=[2, 3, 4, 6])
+    ap.add_argument("--max-speculative-tokens", type=int, default=8)
+    ap.add_argument("--noise", type=float, default=0.08, help="relative std of every timing")
+    ap.add_argument("--seeds", type=int, default=16)
+    args = ap.parse_args()
+    policies = {"full": lambda: FixedGamma(0), "auto": lambda: AutoGamma(args.max_speculative_tokens)}
+    policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
+    print(f"| context | batch | p | best fixed | auto / full | auto / best | ({args.new_tokens} new tokens, noise {args.noise}, "
+          f"{args.seeds} seeds)")
+    print("|---:|---:|---:|---|---:|---:|")
+    worst_full, worst_best = [], []
+    for (ctx, batch), (tp, td, ts, verify) in cells_from_runs(args.runs).items():
+        for p in args.acceptance:
+            rate = {k: statistics.median(simulate(mk(), p, tp, td, ts, verify, args.new_tokens, batch, args.noise, s)
+                                         for s in range(args.seeds)) for k, mk in policies.items()}
+            fixed = {k: v for k, v in rate.items() if k.startswith("gamma")}
+            best = max(fixed, key=fixed.get)
+            a_full, a_best = rate["auto"] / rate["full"], rate["auto"] / fixed[best]
+            worst_full.append(a_full)
+            worst_best.append(a_best)
+            print(f"| {ctx} | {batch} | {p:.2f} | {best} ({fixed[best] / rate['full']:.2f}x full) | {a_full:.2f} | {a_best:.2f} |")
+    print(f"\nauto / full: min {min(worst_full):.3f}; auto / best fixed: min {min(worst_best):.3f}, "
+          f"median {statistics.median(worst_best):.3f}")
+
+
+if __name__ == "__main__":
+    main()
