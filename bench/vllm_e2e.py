@@ -113,8 +113,8 @@ def summarize(rows, cfg):
                 tps.append(f"{r['tokens_per_s']:.1f} ({r['tokens_per_s'] / b['tokens_per_s']:.2f}x)")
         mals = [f"{by[m]['mean_acceptance_length']:.2f}" if m in by and by[m]["mean_acceptance_length"] else "–"
                 for m in methods if m != "none"]
-        same = ", ".join(f"{m}: {'yes' if b and by[m]['tokens'] == b['tokens'] else 'no'}" for m in methods
-                         if m != "none" and m in by)
+        same = ", ".join(f"{m}: {('yes' if by[m]['tokens'] == b['tokens'] else 'no') if b else '– (no baseline run)'}"
+                         for m in methods if m != "none" and m in by)
         lines.append(f"| {ctx} | {B} | " + " | ".join(tps) + " | " + " | ".join(mals) + f" | {same} |")
     head = (f"vLLM {cfg['vllm']} ({cfg['device']}, {cfg['threads']}), SmolLM2-135M-Instruct {cfg['dtype']}, block {cfg['block_size']}, "
             f"eager; greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']}; "

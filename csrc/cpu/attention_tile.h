@@ -74,8 +74,9 @@ constexpr int kPvND = kWide ? 4 : 2;     // head_dim vectors per PV block
 // The next tile's K / V are prefetched into L2 (prefetcht1), not L1: the tile being computed
 // (its K and V, 16 KB each at D 64, the scores and the packed queries) already fills most of a
 // 48 KB L1, and prefetching the next one on top of it evicted lines before their use. Measured
-// on one AVX-512 core (SmolLM2 shape, Q 7, block size 1, fp32, 12 KV heads of 8K tokens from
-// DRAM): 1.1-1.3x faster than prefetcht0, and Q = 1 1.1x; prefetchnta or none are slower still.
+// against prefetcht0 on one AVX-512 core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K
+// (bench/results/kernels_cpu_prefetch_grid.md): verify_attention 1.01-1.09x faster at Q = 7,
+// 1.05-1.28x at Q = 1; prefetchnta or no prefetch are slower than either.
 constexpr int kPrefetchLocality = 2;
 
 // Padded row count: rows live in vector lanes.
