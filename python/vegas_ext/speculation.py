@@ -125,7 +125,10 @@ class AutoGamma(GammaPolicy):
       a least-squares fit through the median ratio of each ``q`` among the last ``2 * window``
       speculative verification passes (``q >= 2``; weighted by their count, so that timings from
       an earlier regime expire), ``c0, c1 >= 0``; while they all share one ``q``, the line through
-      it and the plain step ``(1, 1)``. ``g = 0`` is a plain step through the
+      it and the plain step ``(1, 1)``. A ``q`` among those passes costs its own median instead of
+      the line: the kernels' cost is a step function of ``q`` (query rows fill whole vector
+      registers: with SmolLM2's 3 query heads per KV head, q <= 5 fits 16 lanes, q = 6 needs 32),
+      so a line through q = 3..7 overprices q = 5 and underprices q = 6. ``g = 0`` is a plain step through the
       same verification kernel: its cost is one plain step by definition (a speculative
       verification also scores the KV blocks, which a plain step does not, so the plain steps are
       kept out of the fit).
@@ -216,11 +219,14 @@ class AutoGamma(GammaPolicy):
         """Predicted time of an iteration with ``g`` drafts, in plain steps (1 for ``g = 0``)."""
         if g == 0:
             return 1.0
-        c0, c1 = self._verify_fit_ratio()
-        c = c0 + c1 * (g + 1)
-        if g:
-            c += g * _median(self._draft_ratios, 0.0) + _median(self._select_ratios, 0.0)
-        return c
+        q = g + 1
+        seen = [r for x, r in self._verify_obs if x == q]
+        if seen:  # timed lately: its own median (the cost is a step function of q, not a line)
+            c = _median(seen)
+        else:
+            c0, c1 = self._verify_fit_ratio()
+            c = c0 + c1 * q
+        return c + g * _median(self._draft_ratios, 0.0) + _median(self._select_ratios, 0.0)
 
     def cost(self, g: int) -> float:
         """Predicted seconds of an iteration with ``g`` drafts (at the current ``t_plain``)."""
