@@ -76,7 +76,9 @@ constexpr int kPvND = kWide ? 4 : 2;     // head_dim vectors per PV block
 // 48 KB L1, and prefetching the next one on top of it evicted lines before their use. Measured
 // against prefetcht0 on one AVX-512 core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K
 // (bench/results/kernels_cpu_prefetch_grid.md): verify_attention 1.01-1.09x faster at Q = 7,
-// 1.05-1.28x at Q = 1; prefetchnta or no prefetch are slower than either.
+// 1.05-1.28x at Q = 1; in a torch-free microbenchmark of this loop, prefetchnta or no prefetch
+// were slower than either. Only the AVX-512 build was measured; the AVX2 and baseline builds
+// use the same hint.
 constexpr int kPrefetchLocality = 2;
 
 // Padded row count: rows live in vector lanes.

@@ -123,9 +123,11 @@ class AutoGamma(GammaPolicy):
       between plain and speculative iterations does not bias the comparison; ``t_draft`` and
       ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
       a least-squares fit through the median ratio of each ``q`` among the last ``2 * window``
-      speculative verification passes (``q >= 2``; weighted by their count, so that timings from
-      an earlier regime expire), ``c0, c1 >= 0``; while they all share one ``q``, the line through
-      it and the plain step ``(1, 1)``. A ``q`` among those passes costs its own median instead of
+      speculative verification passes (``q >= 2``; only the last ``2 * window`` are kept, so that
+      timings from an earlier regime expire; each ``q`` weighted by its count), ``c0, c1 >= 0``;
+      while they all share one ``q``, the line through it and the plain step ``(1, 1)`` (``c1 >=
+      0``, ``c0`` may be negative; this line includes the block-scoring overhead in its slope, so
+      it overprices drafts longer than the one timed until a second ``q`` is timed). A ``q`` among those passes costs its own median instead of
       the line: the kernels' cost is a step function of ``q`` (query rows fill whole vector
       registers: with SmolLM2's 3 query heads per KV head, q <= 5 fits 16 lanes, q = 6 needs 32),
       so a line through q = 3..7 overprices q = 5 and underprices q = 6. ``g = 0`` is a plain step through the
@@ -141,8 +143,8 @@ class AutoGamma(GammaPolicy):
     a speculative and a plain iteration have been timed. After ``probe_interval`` plain
     iterations in a row it runs one probing iteration with the best ``g >= 1`` by predicted rate
     (acceptance and draft costs keep being learned, e.g. as the context grows; the pooled
-    acceptance lets a short probe inform every position, and the cheapest informative probe
-    costs least where speculation loses); a probe that does not switch speculation back on
+    acceptance lets a short probe inform every position, and where speculation loses the best
+    ``g`` is the shortest, so probing costs least there); a probe that does not switch speculation back on
     doubles the interval, up to ``max_probe_interval``. The acceptance counts are forgotten slowly
     (``acceptance_decay`` 0.97 per iteration) behind a prior worth ``prior_weight`` trials, so
     that a few early rejections at batch 1 do not turn speculation off for the rest of the run.
