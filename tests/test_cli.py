@@ -132,13 +132,19 @@ def test_chat_and_full_algorithm(tiny_model_dir, capsys):
 
 
 def test_sampling_seeded_is_reproducible(tiny_model_dir, capsys):
+    """A seed with a fixed gamma repeats the tokens exactly; with gamma auto (whose choices follow
+    the run's timings) the CLI says that only the distribution repeats."""
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "the house", "--max-new-tokens", "8",
             "--do-sample", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--seed", "7",
             "--ignore-eos", "--json", "--no-progress"]
-    rc1, out1, err1 = run_cli(argv, capsys)
-    rc2, out2, _ = run_cli(argv, capsys)
+    fixed = argv + ["--num-speculative-tokens", "3"]
+    rc1, out1, err1 = run_cli(fixed, capsys)
+    rc2, out2, _ = run_cli(fixed, capsys)
     assert rc1 == rc2 == 0, err1
     assert json.loads(out1)["token_ids"] == json.loads(out2)["token_ids"]
+    assert "timings" not in err1
+    rc3, _, err3 = run_cli(argv, capsys)
+    assert rc3 == 0 and "--seed with sampling and --num-speculative-tokens auto" in err3
 
 
 def test_human_output_text_to_stdout_stats_to_stderr(tiny_model_dir, capsys):

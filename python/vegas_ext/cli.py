@@ -801,6 +801,11 @@ def cmd_generate(args) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
         generator = torch.Generator(device=device).manual_seed(args.seed)
+        if args.do_sample and args.num_speculative_tokens == "auto" and args.algorithm != "full":
+            _eprint("vegas: note: --seed with sampling and --num-speculative-tokens auto samples the same "
+                    "distribution on every run, but the drafts per iteration follow this run's timings, so "
+                    "the tokens can differ between runs; give a fixed --num-speculative-tokens for "
+                    "identical output")
     kwargs = _generate_kwargs(args, max_new, eos, pad_id, generator)
 
     if args.compare:  # warm both paths up (first-call allocations, lazy inits) on a short prompt

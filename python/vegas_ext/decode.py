@@ -633,7 +633,10 @@ def generate(
         pad_token_id: fills rows finished early; default the generation config's, else the first
             EOS, else 0.
         streamer: a HF streamer (``put`` / ``end``); batch size 1 only.
-        generator: ``torch.Generator`` for reproducible sampling.
+        generator: ``torch.Generator`` for reproducible sampling: the same generator state gives
+            the same tokens with a fixed ``num_speculative_tokens``; with ``"auto"`` the drafts per
+            iteration follow the loop's own timings, so a rerun draws from the same distribution
+            but its tokens can differ.
         return_cache: also return the KV cache (inspection, tests). Finished rows then stay in the
             batch to the end, so that the cache holds every row; otherwise a row leaves the batch
             (cache rows included) once it hit its EOS or ``max_new_tokens``, and later forwards
