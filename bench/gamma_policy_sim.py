@@ -25,7 +25,6 @@ were chosen; the end-to-end runs are how they are judged.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -37,13 +36,16 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
+sys.path.insert(0, HERE)
+
+from report import load_runs  # noqa: E402
 from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts  # noqa: E402
 
 
 def cells_from_runs(path):
     """``{(context, batch): (t_plain, t_draft_step, t_select, verify(q) -> s)}`` in ms, from the
     first repeat's fixed-gamma rows of an e2e ``runs.jsonl``."""
-    rows = [json.loads(line) for line in open(path)]
+    rows, _ = load_runs([path])
     cells = {}
     for r in rows:
         if r.get("repeat", 0) != 0 or r["algorithm"] != "vegas" or r["num_speculative_tokens"] in ("auto", 0):

@@ -184,11 +184,15 @@ class AutoGamma(GammaPolicy):
         pooled = (sum(self.successes) + w * self.prior_acceptance) / (sum(self.tries) + w)
         return [(s + w * pooled) / (n + w) for s, n in zip(self.successes, self.tries)]
 
-    def _verify_fit_ratio(self) -> Tuple[float, float]:
+    def _verify_by_q(self) -> Dict[int, List[float]]:
+        """The recent speculative verification ratios (``verify(q) / t_plain``) grouped by ``q``."""
         by_q: Dict[int, List[float]] = {}
         for q, r in self._verify_obs:
             by_q.setdefault(q, []).append(r)
-        pts = [(q, _median(v), len(v)) for q, v in by_q.items()]
+        return by_q
+
+    def _verify_fit_ratio(self) -> Tuple[float, float]:
+        pts = [(q, _median(v), len(v)) for q, v in self._verify_by_q().items()]
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:  # one q >= 2 timed: the line through it and the plain step (1, 1)
@@ -222,7 +226,7 @@ class AutoGamma(GammaPolicy):
         if g == 0:
             return 1.0
         q = g + 1
-        seen = [r for x, r in self._verify_obs if x == q]
+        seen = self._verify_by_q().get(q)
         if seen:  # timed lately: its own median (the cost is a step function of q, not a line)
             c = _median(seen)
         else:
