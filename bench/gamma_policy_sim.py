@@ -16,8 +16,9 @@ medians over seeds.
     python bench/gamma_policy_sim.py --runs bench/results/auto_gamma_cpu/kjv/runs.jsonl --new-tokens 64
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
-(cache effects between phases, a machine that changes speed, the block-scoring overhead of the
-plain step that precedes drafting, which it charges as a plain step), and it prices verification
+(cache effects between phases, a machine that changes speed; the plain step that scores the
+KV blocks before drafting is charged the verification line at q = 1, at least a plain step),
+and it prices verification
 with one line per cell, so it cannot show the step-shaped verify cost of the real kernels (query
 rows fill whole vector registers). It is how the policy's defaults
 were chosen; the end-to-end runs are how they are judged.
@@ -72,8 +73,10 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
     def jitter():
         return max(0.2, 1.0 + rng.gauss(0.0, noise))
 
-    def vtime(q):
-        return (t_plain if q == 1 else verify(q)) * jitter()
+    def vtime(q, scored=True):
+        if q == 1:
+            return (max(t_plain, verify(1)) if scored else t_plain) * jitter()
+        return verify(q) * jitter()
 
     while min(n) < n_new:
         active = [b for b in range(batch) if n[b] < n_new]
@@ -81,7 +84,7 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
         g = policy.choose(caps, int(caps.max()))
         if g and not fresh:  # the loop scores the KV blocks in a plain step first
             policy.note_plain_step()
-            t = vtime(1)
+            t = vtime(1, scored=True)
             elapsed += t
             zero = torch.zeros(len(active), dtype=torch.long)
             policy.observe_iteration(IterationCosts(0, 0.0, t, 0.0, scored=True), zero, zero)
@@ -92,7 +95,7 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
                 break
             g = min(g, max(n_new - n[b] - 1 for b in active))
         td = g * t_draft * jitter()
-        tv = vtime(g + 1)
+        tv = vtime(g + 1, scored=g > 0)
         ts = t_select * jitter() if g else 0.0
         elapsed += td + tv + ts
         drafted, accepted = [], []

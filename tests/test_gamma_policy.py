@@ -113,6 +113,22 @@ def test_auto_batch_one_recovers_from_early_rejections():
     first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
     assert first_on <= 20 and gs[-20:].count(0) == 0
 
+def test_auto_verify_line_is_anchored_at_the_scored_plain_step():
+    """While every speculative pass shares one q, the verify line runs through it and the plain
+    step that scored the KV blocks (q = 1 with the scoring overhead), not through the unscored
+    plain step: the overhead stays in the intercept and longer drafts are not overpriced."""
+    p = AutoGamma(8)
+    tp, s, c1 = 0.1, 0.02, 0.005  # plain step, block-scoring overhead, seconds per query row
+    p.observe_iteration(IterationCosts(0, 0.0, tp, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+    p.observe_iteration(IterationCosts(2, 0.02, tp + s + c1 * 2, 0.001), torch.tensor([2]), torch.tensor([2]))
+    c0_unanchored, c1_unanchored = p.verify_fit()
+    assert c1_unanchored == pytest.approx((s + 2 * c1) / 2)  # through (1, t_plain): overhead in the slope
+    p.observe_iteration(IterationCosts(0, 0.0, tp + s, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    c0, c1_fit = p.verify_fit()
+    assert c1_fit == pytest.approx(c1) and c0 == pytest.approx(tp + s - c1)
+    assert p.relative_cost(6) == pytest.approx((tp + s + 6 * c1) / tp + 6 * 0.1 + 0.01)
+
+
 def test_auto_respects_limits_and_caps():
     p = AutoGamma(8)
     assert p.choose(CAPS, 0) == 0  # nothing may be drafted

@@ -124,10 +124,13 @@ class AutoGamma(GammaPolicy):
       ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
       a least-squares fit through the median ratio of each ``q`` among the last ``2 * window``
       speculative verification passes (``q >= 2``; only the last ``2 * window`` are kept, so that
-      timings from an earlier regime expire; each ``q`` weighted by its count), ``c0, c1 >= 0``;
-      while they all share one ``q``, the line through it and the plain step ``(1, 1)`` (``c1 >=
-      0``, ``c0`` may be negative; this line includes the block-scoring overhead in its slope, so
-      it overprices drafts longer than the one timed until a second ``q`` is timed). A ``q`` among those passes costs its own median instead of
+      timings from an earlier regime expire; each ``q`` weighted by its count) and through the
+      median of the last ``window`` plain steps that scored the KV blocks (``q = 1`` with the
+      scoring overhead every speculative pass pays: the loop runs one before drafting after plain
+      steps), ``c0, c1 >= 0``. Before any scored plain step was timed and while the speculative
+      passes all share one ``q``, the line runs through it and the plain step ``(1, 1)`` (``c0``
+      may be negative; the scoring overhead then sits in the slope, so drafts longer than the one
+      timed look dearer than they are). A ``q`` among those passes costs its own median instead of
       the line: the kernels' cost is a step function of ``q`` (query rows fill whole vector
       registers: with SmolLM2's 3 query heads per KV head, q <= 5 fits 16 lanes, q = 6 needs 32),
       so a line through q = 3..7 overprices q = 5 and underprices q = 6. ``g = 0`` is a plain step through the
@@ -173,6 +176,7 @@ class AutoGamma(GammaPolicy):
         self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
         self._select_ratios: List[float] = []
         self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain), last 2 * `window` with q >= 2
+        self._scored_plain: List[float] = []  # scored plain step / t_plain, last `window`
         self._pending: List[IterationCosts] = []  # timed before the first plain step
         self.num_probes = 0
         self._plain_run = 0
@@ -195,7 +199,9 @@ class AutoGamma(GammaPolicy):
         pts = [(q, _median(v), len(v)) for q, v in self._verify_by_q().items()]
         if not pts:
             return 1.0, 0.0
-        if len(pts) == 1:  # one q >= 2 timed: the line through it and the plain step (1, 1)
+        if self._scored_plain:  # q = 1 with the block-scoring overhead of a speculative pass
+            pts.append((1, _median(self._scored_plain), len(self._scored_plain)))
+        if len(pts) == 1:  # one q >= 2 timed, no scored plain step: the line through it and (1, 1)
             q, t, _ = pts[0]
             c1 = max(0.0, (t - 1.0) / (q - 1))
             return t - c1 * q, c1
@@ -280,6 +286,7 @@ class AutoGamma(GammaPolicy):
     def _observe_costs(self, c: IterationCosts) -> None:
         if c.gamma == 0:
             if c.scored and self.t_plain is not None:  # scoring blocks costs more than a plain step
+                self._push(self._scored_plain, c.verify / self.t_plain)
                 return
             self.t_plain = c.verify if self.t_plain is None else (1 - self.cost_ema) * self.t_plain + self.cost_ema * c.verify
             pending, self._pending = self._pending, []
