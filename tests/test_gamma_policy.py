@@ -113,6 +113,36 @@ def test_auto_batch_one_recovers_from_early_rejections():
     first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
     assert first_on <= 20 and gs[-20:].count(0) == 0
 
+def test_auto_keeps_drafting_while_few_trials_say_it_loses():
+    """Batch 1 at 8K-like costs (a draft step ~0.55 of a plain step): the first draft is rejected.
+    On the estimates alone speculation looks lost; with few trials behind them the optimistic
+    bound still drafts (without exploration it decodes plainly). If the drafts keep being
+    rejected, the bound falls and plain decoding follows within a few iterations."""
+    caps = torch.tensor([200])
+
+    def warm(p):
+        assert p.choose(caps, 8) == 2
+        p.observe_iteration(IterationCosts(2, 2 * 0.058, 0.101 + 0.0064 * 3, 0.0003), torch.tensor([2]), torch.tensor([0]))
+        assert p.choose(caps, 8) == 0
+        p.observe_iteration(IterationCosts(0, 0.0, 0.105, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+
+    greedy = AutoGamma(8, exploration=0.0)
+    warm(greedy)
+    assert greedy.choose(caps, 8) == 0
+    p = AutoGamma(8)
+    warm(p)
+    upper, est = p.acceptance_upper(), p.acceptance()
+    assert all(u > a for u, a in zip(upper, est)) and upper[0] < 1.0
+    gs = []
+    for _ in range(12):
+        g = p.choose(caps, 8)
+        gs.append(g)
+        p.observe_iteration(IterationCosts(g, g * 0.058, 0.101 + 0.0064 * (g + 1), 0.0003 if g else 0.0, scored=g > 0),
+                            torch.tensor([g]), torch.tensor([0]))
+    assert gs[0] >= 1  # drafted on the bound
+    assert gs[-4:] == [0, 0, 0, 0] and p.num_probes <= 2  # every draft rejected: plain
+
+
 def test_auto_verify_line_is_anchored_at_the_scored_plain_step():
     """While every speculative pass shares one q, the verify line runs through it and the plain
     step that scored the KV blocks (q = 1 with the scoring overhead), not through the unscored
