@@ -113,34 +113,40 @@ def test_auto_batch_one_recovers_from_early_rejections():
     first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
     assert first_on <= 20 and gs[-20:].count(0) == 0
 
-def test_auto_keeps_drafting_while_few_trials_say_it_loses():
-    """Batch 1 at 8K-like costs (a draft step ~0.55 of a plain step): the first draft is rejected.
-    On the estimates alone speculation looks lost; with few trials behind them the optimistic
-    bound still drafts (without exploration it decodes plainly). If the drafts keep being
-    rejected, the bound falls and plain decoding follows within a few iterations."""
-    caps = torch.tensor([200])
+def test_auto_explores_while_few_trials_say_it_loses():
+    """Batch 1 at 8K-like costs (a draft step ~0.55 of a plain step, speculation worth ~+10 % at
+    the true acceptance): the first two drafts are rejected. On the estimates alone speculation
+    looks lost, and without exploration only the probes (every 4-16 iterations) can bring it
+    back; with few trials behind the estimate the upper bound still drafts, and once the drafts
+    are accepted it speculates at once. If the drafts keep being rejected instead, the bound
+    falls and only probes draft."""
+    caps = torch.tensor([400])
 
-    def warm(p):
+    def run(p, accept, n=24):
         assert p.choose(caps, 8) == 2
         p.observe_iteration(IterationCosts(2, 2 * 0.058, 0.101 + 0.0064 * 3, 0.0003), torch.tensor([2]), torch.tensor([0]))
         assert p.choose(caps, 8) == 0
         p.observe_iteration(IterationCosts(0, 0.0, 0.105, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+        gs = []
+        for _ in range(n):
+            g = p.choose(caps, 8)
+            gs.append(g)
+            p.observe_iteration(IterationCosts(g, g * 0.058, 0.101 + 0.0064 * (g + 1), 0.0003 if g else 0.0, scored=g > 0),
+                                torch.tensor([g]), torch.tensor([g if accept else 0]))
+        return gs
 
-    greedy = AutoGamma(8, exploration=0.0)
-    warm(greedy)
-    assert greedy.choose(caps, 8) == 0
-    p = AutoGamma(8)
-    warm(p)
+    greedy, p = AutoGamma(8, exploration=0.0), AutoGamma(8)
+    g_greedy, g_explore = run(greedy, accept=True), run(p, accept=True)
+    assert g_greedy[:3] == [0, 0, 0]  # plain until the first probe
+    assert g_explore[0] >= 1 and all(g >= 1 for g in g_explore)  # drafts on the bound, then on the estimates
+    assert sum(g_explore) > sum(g_greedy) + 4
     upper, est = p.acceptance_upper(), p.acceptance()
-    assert all(u > a for u, a in zip(upper, est)) and upper[0] < 1.0
-    gs = []
-    for _ in range(12):
-        g = p.choose(caps, 8)
-        gs.append(g)
-        p.observe_iteration(IterationCosts(g, g * 0.058, 0.101 + 0.0064 * (g + 1), 0.0003 if g else 0.0, scored=g > 0),
-                            torch.tensor([g]), torch.tensor([0]))
-    assert gs[0] >= 1  # drafted on the bound
-    assert gs[-4:] == [0, 0, 0, 0] and p.num_probes <= 2  # every draft rejected: plain
+    assert all(1.0 >= u >= a for u, a in zip(upper, est))
+    losing = AutoGamma(8)
+    gs = run(losing, accept=False)
+    explored = [i for i, g in enumerate(gs) if g > 0]
+    assert len(explored) - losing.num_probes <= 2  # at most a couple of drafts beyond the probes
+    assert losing.num_probes >= 1 and gs[-6:].count(0) >= 5
 
 
 def test_auto_verify_line_is_anchored_at_the_scored_plain_step():
@@ -157,6 +163,22 @@ def test_auto_verify_line_is_anchored_at_the_scored_plain_step():
     c0, c1_fit = p.verify_fit()
     assert c1_fit == pytest.approx(c1) and c0 == pytest.approx(tp + s - c1)
     assert p.relative_cost(6) == pytest.approx((tp + s + 6 * c1) / tp + 6 * 0.1 + 0.01)
+
+
+def test_auto_scored_plain_anchor_expires_with_the_speculative_passes():
+    """The scored plain step is one of the recent verification passes: once 2 * window passes
+    at a longer context (every one dearer, at the same t_plain) have followed it, it no longer
+    pulls the line; the fit is the newer passes' own line."""
+    p = AutoGamma(8)
+    tp = 0.1
+    p.observe_iteration(IterationCosts(0, 0.0, tp, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+    p.observe_iteration(IterationCosts(0, 0.0, tp * 1.13, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    for i in range(2 * p.window):
+        q = 4 + i % 2
+        p.observe_iteration(IterationCosts(q - 1, 0.01 * (q - 1), tp * 1.15 * (1.10 + 0.03 * q), 0.001),
+                            torch.tensor([q - 1]), torch.tensor([q - 1]))
+    c0, c1 = p.verify_fit()
+    assert c1 == pytest.approx(tp * 1.15 * 0.03) and c0 == pytest.approx(tp * 1.15 * 1.10)
 
 
 def test_auto_respects_limits_and_caps():

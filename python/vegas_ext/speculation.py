@@ -124,32 +124,34 @@ class AutoGamma(GammaPolicy):
       between plain and speculative iterations does not bias the comparison; ``t_draft`` and
       ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
       a least-squares fit through the median ratio of each ``q`` among the last ``2 * window``
-      speculative verification passes (``q >= 2``; only the last ``2 * window`` are kept, so that
-      timings from an earlier regime expire; each ``q`` weighted by its count) and through the
-      median of the last ``window`` plain steps that scored the KV blocks (``q = 1`` with the
-      scoring overhead every speculative pass pays: the loop runs one before drafting after plain
-      steps), ``c0, c1 >= 0``. Before any scored plain step was timed and while the speculative
-      passes all share one ``q``, the line runs through it and the plain step ``(1, 1)`` (``c0``
-      may be negative; the scoring overhead then sits in the slope, so drafts longer than the one
-      timed look dearer than they are). A ``q`` among those passes costs its own median instead of
-      the line: the kernels' cost is a step function of ``q`` (query rows fill whole vector
-      registers: with SmolLM2's 3 query heads per KV head, q <= 5 fits 16 lanes, q = 6 needs 32),
-      so a line through q = 3..7 overprices q = 5 and underprices q = 6. ``g = 0`` is a plain step through the
-      same verification kernel: its cost is one plain step by definition (a speculative
-      verification also scores the KV blocks, which a plain step does not, so the plain steps are
-      kept out of the fit).
+      verification passes that scored the KV blocks: the speculative ones (``q >= 2``) and the
+      plain steps the loop runs before drafting after plain steps (``q = 1`` with the scoring
+      overhead every speculative pass pays); each ``q`` weighted by its count, ``c0, c1 >= 0``.
+      Only the last ``2 * window`` are kept, so that timings from an earlier regime (a shorter
+      context) expire together. While they hold a single ``q >= 2`` and no ``q = 1``, the line
+      runs through it and the unscored plain step ``(1, 1)`` (``c0`` may be negative; the scoring
+      overhead then sits in the slope, so drafts longer than the one timed look dearer than they
+      are). A ``q >= 2`` among those passes costs its own median instead of the line: the
+      kernels' cost is a step function of ``q`` (query rows fill whole vector registers: with
+      SmolLM2's 3 query heads per KV head, q <= 5 fits 16 lanes, q = 6 needs 32), so a line
+      through q = 3..7 overprices q = 5 and underprices q = 6. ``g = 0`` is a plain step through
+      the same verification kernel without block scoring: its cost is one plain step by
+      definition (the unscored plain steps set ``t_plain`` and stay out of the fit).
 
-    A ``g > 0`` is chosen only when its predicted rate beats the plain step's by more than
-    ``margin`` (3 %: the cost model's own error on a busy machine is of that order, and a wrong
-    choice near break-even costs more than it gains). While the acceptance estimate rests on few
-    trials, the decision to decode plainly is optimistic about it: the most promising ``g >= 1``
-    (by the estimates) is still drafted when its rate at the upper bound ``a_i + exploration *
-    sqrt(a_i (1 - a_i) / n)`` (``n``: the trials behind the estimate, pooled, prior included)
-    beats the plain step by the margin. A few early rejections at batch 1 (a handful of trials,
-    bad luck more often than a bad draft: ~10 % of 64-token runs at 0.9 acceptance see 2 of their
-    first 6 drafts rejected) then do not turn speculation off while its cost is near break-even;
-    where it clearly loses, the bound falls below break-even after a few trials. The draft
-    length itself is chosen with the estimates, not the bound.
+    A ``g > 0`` is chosen when its predicted rate beats the plain step's by more than ``margin``
+    (3 %: the cost model's own error on a busy machine is of that order, and a wrong choice near
+    break-even costs more than it gains), or when the decision to decode plainly would rest on
+    few trials: the most promising ``g >= 1`` (by the estimates) is also drafted when its rate at
+    the upper bound ``a_i + exploration * sqrt(a_i (1 - a_i) / n)`` (``n``: the pooled,
+    forgotten trials behind the estimate plus ``prior_weight``) beats the plain step by the
+    margin. A few early rejections at batch 1 (bad luck more often than bad drafts: ~10 % of
+    64-token runs at 0.9 acceptance see 2 of their first 6 drafts rejected) then do not turn
+    speculation off near break-even; where it clearly loses, the bound falls below break-even
+    after a few trials. The forgetting keeps ``n`` bounded (about ``prior_weight + B g / (1 -
+    acceptance_decay)``: ~37 at batch 1 drafting 1), so the bound stays ~0.05 above an estimate
+    of 0.9 at batch 1 and the policy leans to speculating where the predicted gain is within the
+    margin. The draft length itself is chosen with the estimates, not the bound; such a draft
+    counts as speculation (it resets the probe interval), not as a probe.
 
     Warm-up: the first iteration drafts ``first_gamma`` tokens and the second none, so that both
     a speculative and a plain iteration have been timed. After ``probe_interval`` plain
@@ -185,8 +187,7 @@ class AutoGamma(GammaPolicy):
         self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
         self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
         self._select_ratios: List[float] = []
-        self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain), last 2 * `window` with q >= 2
-        self._scored_plain: List[float] = []  # scored plain step / t_plain, last `window`
+        self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain) of scored passes, last 2 * `window`
         self._pending: List[IterationCosts] = []  # timed before the first plain step
         self.num_probes = 0
         self._plain_run = 0
@@ -206,7 +207,7 @@ class AutoGamma(GammaPolicy):
         return [min(1.0, a + k * math.sqrt(max(a * (1.0 - a), 0.0) / n)) for a in self.acceptance()]
 
     def _verify_by_q(self) -> Dict[int, List[float]]:
-        """The recent speculative verification ratios (``verify(q) / t_plain``) grouped by ``q``."""
+        """The recent scored verification ratios (``verify(q) / t_plain``) grouped by ``q``."""
         by_q: Dict[int, List[float]] = {}
         for q, r in self._verify_obs:
             by_q.setdefault(q, []).append(r)
@@ -214,10 +215,8 @@ class AutoGamma(GammaPolicy):
 
     def _verify_fit_ratio(self) -> Tuple[float, float]:
         pts = [(q, _median(v), len(v)) for q, v in self._verify_by_q().items()]
-        if not pts:
+        if not any(q >= 2 for q, _, _ in pts):
             return 1.0, 0.0
-        if self._scored_plain:  # q = 1 with the block-scoring overhead of a speculative pass
-            pts.append((1, _median(self._scored_plain), len(self._scored_plain)))
         if len(pts) == 1:  # one q >= 2 timed, no scored plain step: the line through it and (1, 1)
             q, t, _ = pts[0]
             c1 = max(0.0, (t - 1.0) / (q - 1))
@@ -237,9 +236,11 @@ class AutoGamma(GammaPolicy):
         return c0, c1
 
     def verify_fit(self) -> Tuple[float, float]:
-        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` (speculative verification passes,
-        ``q >= 2``) at the current ``t_plain``: through the plain step while a single ``q`` was
-        timed; ``(t_plain, 0)`` before any; ``(0, 0)`` before any plain step."""
+        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` (the recent verification passes that
+        scored the KV blocks: speculative ones, ``q >= 2``, and scored plain steps, ``q = 1``) at the
+        current ``t_plain``: through the unscored plain step ``(1, 1)`` while a single ``q >= 2``
+        and no ``q = 1`` was timed; ``(t_plain, 0)`` before any ``q >= 2``; ``(0, 0)`` before any
+        plain step."""
         c0, c1 = self._verify_fit_ratio()
         tp = self.t_plain or 0.0
         return c0 * tp, c1 * tp
@@ -306,10 +307,14 @@ class AutoGamma(GammaPolicy):
         xs.append(x)
         del xs[: -self.window]
 
+    def _push_verify(self, q: int, ratio: float) -> None:
+        self._verify_obs.append((q, ratio))
+        del self._verify_obs[: -2 * self.window]
+
     def _observe_costs(self, c: IterationCosts) -> None:
         if c.gamma == 0:
             if c.scored and self.t_plain is not None:  # scoring blocks costs more than a plain step
-                self._push(self._scored_plain, c.verify / self.t_plain)
+                self._push_verify(1, c.verify / self.t_plain)
                 return
             self.t_plain = c.verify if self.t_plain is None else (1 - self.cost_ema) * self.t_plain + self.cost_ema * c.verify
             pending, self._pending = self._pending, []
@@ -320,8 +325,7 @@ class AutoGamma(GammaPolicy):
             return
         tp = self.t_plain
         if c.gamma:
-            self._verify_obs.append((c.gamma + 1, c.verify / tp))
-            del self._verify_obs[: -2 * self.window]
+            self._push_verify(c.gamma + 1, c.verify / tp)
             self._push(self._draft_ratios, c.draft / c.gamma / tp)
             if c.select > 0:
                 self._push(self._select_ratios, c.select / tp)
