@@ -165,18 +165,25 @@ def test_auto_verify_line_is_anchored_at_the_scored_plain_step():
     assert p.relative_cost(6) == pytest.approx((tp + s + 6 * c1) / tp + 6 * 0.1 + 0.01)
 
 
-def test_auto_scored_plain_anchor_expires_with_the_speculative_passes():
-    """The scored plain step is one of the recent verification passes: once 2 * window passes
-    at a longer context (every one dearer, at the same t_plain) have followed it, it no longer
-    pulls the line; the fit is the newer passes' own line."""
+def test_auto_scored_plain_anchor_expires_and_stays_out_of_multi_q_fits():
+    """The scored plain step anchors the single-q line only while it is among the last
+    2 * window scored passes (timings from a shorter context expire); through several q the line
+    is the speculative passes' own."""
     p = AutoGamma(8)
-    tp = 0.1
+    tp, anchor, t4 = 0.1, 1.13, 1.15 * (1.10 + 0.03 * 4)
     p.observe_iteration(IterationCosts(0, 0.0, tp, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
-    p.observe_iteration(IterationCosts(0, 0.0, tp * 1.13, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
-    for i in range(2 * p.window):
-        q = 4 + i % 2
-        p.observe_iteration(IterationCosts(q - 1, 0.01 * (q - 1), tp * 1.15 * (1.10 + 0.03 * q), 0.001),
-                            torch.tensor([q - 1]), torch.tensor([q - 1]))
+    p.observe_iteration(IterationCosts(0, 0.0, tp * anchor, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    slopes = []
+    for _ in range(2 * p.window):
+        p.observe_iteration(IterationCosts(3, 0.03, tp * t4, 0.001), torch.tensor([3]), torch.tensor([3]))
+        slopes.append(p.verify_fit()[1] / tp)
+    assert slopes[0] == pytest.approx((t4 - anchor) / 3)  # anchored
+    assert slopes[-2] == pytest.approx((t4 - anchor) / 3)  # the anchor is the oldest of the last 2 * window
+    assert slopes[-1] == pytest.approx((t4 - 1.0) / 3)  # expired: through the plain step (1, 1)
+    # a second q: the least-squares line through the speculative passes, the scored plain step left out
+    p.observe_iteration(IterationCosts(0, 0.0, tp * 2.0, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    for _ in range(p.window):
+        p.observe_iteration(IterationCosts(5, 0.05, tp * 1.15 * (1.10 + 0.03 * 6), 0.001), torch.tensor([5]), torch.tensor([5]))
     c0, c1 = p.verify_fit()
     assert c1 == pytest.approx(tp * 1.15 * 0.03) and c0 == pytest.approx(tp * 1.15 * 1.10)
 

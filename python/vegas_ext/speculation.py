@@ -124,14 +124,17 @@ class AutoGamma(GammaPolicy):
       between plain and speculative iterations does not bias the comparison; ``t_draft`` and
       ``t_select`` are medians of the last ``window`` such ratios, and ``t_verify(q) = c0 + c1 * q``
       a least-squares fit through the median ratio of each ``q`` among the last ``2 * window``
-      verification passes that scored the KV blocks: the speculative ones (``q >= 2``) and the
-      plain steps the loop runs before drafting after plain steps (``q = 1`` with the scoring
-      overhead every speculative pass pays); each ``q`` weighted by its count, ``c0, c1 >= 0``.
-      Only the last ``2 * window`` are kept, so that timings from an earlier regime (a shorter
-      context) expire together. While they hold a single ``q >= 2`` and no ``q = 1``, the line
-      runs through it and the unscored plain step ``(1, 1)`` (``c0`` may be negative; the scoring
-      overhead then sits in the slope, so drafts longer than the one timed look dearer than they
-      are). A ``q >= 2`` among those passes costs its own median instead of the line: the
+      speculative verification passes (``q >= 2``; each ``q`` weighted by its count, ``c0, c1 >=
+      0``; only the last ``2 * window`` are kept, so that timings from an earlier regime, a
+      shorter context, expire). While they all share one ``q``, the line runs through it and the
+      median of the plain steps that scored the KV blocks among the last ``2 * window`` scored
+      passes (``q = 1`` with the scoring overhead every speculative pass pays; the loop runs one
+      before drafting after plain steps), or, without one, the unscored plain step ``(1, 1)``
+      (``c0`` may be negative; the scoring overhead then sits in the slope, so drafts longer than
+      the one timed look dearer than they are). Scored plain steps stay out of the fit through
+      several ``q``: frequent after plain runs, they would crowd the speculative passes out of the
+      window and, with a verification cost that is a step function of ``q``, tilt the line. A
+      ``q >= 2`` among those passes costs its own median instead of the line: the
       kernels' cost is a step function of ``q`` (query rows fill whole vector registers: with
       SmolLM2's 3 query heads per KV head, q <= 5 fits 16 lanes, q = 6 needs 32), so a line
       through q = 3..7 overprices q = 5 and underprices q = 6. ``g = 0`` is a plain step through
@@ -187,7 +190,9 @@ class AutoGamma(GammaPolicy):
         self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
         self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
         self._select_ratios: List[float] = []
-        self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain) of scored passes, last 2 * `window`
+        self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain), last 2 * `window` with q >= 2
+        self._scored_plain: List[Tuple[int, float]] = []  # (scored pass number, ratio), scored plain steps
+        self._scored_passes = 0  # verification passes that scored the KV blocks (q >= 1)
         self._pending: List[IterationCosts] = []  # timed before the first plain step
         self.num_probes = 0
         self._plain_run = 0
@@ -207,7 +212,7 @@ class AutoGamma(GammaPolicy):
         return [min(1.0, a + k * math.sqrt(max(a * (1.0 - a), 0.0) / n)) for a in self.acceptance()]
 
     def _verify_by_q(self) -> Dict[int, List[float]]:
-        """The recent scored verification ratios (``verify(q) / t_plain``) grouped by ``q``."""
+        """The recent speculative verification ratios (``verify(q) / t_plain``) grouped by ``q``."""
         by_q: Dict[int, List[float]] = {}
         for q, r in self._verify_obs:
             by_q.setdefault(q, []).append(r)
@@ -215,11 +220,13 @@ class AutoGamma(GammaPolicy):
 
     def _verify_fit_ratio(self) -> Tuple[float, float]:
         pts = [(q, _median(v), len(v)) for q, v in self._verify_by_q().items()]
-        if not any(q >= 2 for q, _, _ in pts):
+        if not pts:
             return 1.0, 0.0
-        if len(pts) == 1:  # one q >= 2 timed, no scored plain step: the line through it and (1, 1)
+        if len(pts) == 1:  # one q >= 2 timed: the line through it and a recent scored plain step, else (1, 1)
             q, t, _ = pts[0]
-            c1 = max(0.0, (t - 1.0) / (q - 1))
+            recent = [r for n, r in self._scored_plain if n > self._scored_passes - 2 * self.window]
+            t1 = _median(recent, 1.0)
+            c1 = max(0.0, (t - t1) / (q - 1))
             return t - c1 * q, c1
         sw = sum(w for _, _, w in pts)
         mq = sum(q * w for q, _, w in pts) / sw
@@ -236,11 +243,10 @@ class AutoGamma(GammaPolicy):
         return c0, c1
 
     def verify_fit(self) -> Tuple[float, float]:
-        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` (the recent verification passes that
-        scored the KV blocks: speculative ones, ``q >= 2``, and scored plain steps, ``q = 1``) at the
-        current ``t_plain``: through the unscored plain step ``(1, 1)`` while a single ``q >= 2``
-        and no ``q = 1`` was timed; ``(t_plain, 0)`` before any ``q >= 2``; ``(0, 0)`` before any
-        plain step."""
+        """``(c0, c1)`` seconds of ``t_verify(q) = c0 + c1 q`` (speculative verification passes,
+        ``q >= 2``) at the current ``t_plain``: while a single ``q`` was timed, through it and a
+        recent scored plain step (else the plain step ``(1, 1)``); ``(t_plain, 0)`` before any;
+        ``(0, 0)`` before any plain step."""
         c0, c1 = self._verify_fit_ratio()
         tp = self.t_plain or 0.0
         return c0 * tp, c1 * tp
@@ -307,14 +313,12 @@ class AutoGamma(GammaPolicy):
         xs.append(x)
         del xs[: -self.window]
 
-    def _push_verify(self, q: int, ratio: float) -> None:
-        self._verify_obs.append((q, ratio))
-        del self._verify_obs[: -2 * self.window]
-
     def _observe_costs(self, c: IterationCosts) -> None:
         if c.gamma == 0:
             if c.scored and self.t_plain is not None:  # scoring blocks costs more than a plain step
-                self._push_verify(1, c.verify / self.t_plain)
+                self._scored_passes += 1
+                self._scored_plain.append((self._scored_passes, c.verify / self.t_plain))
+                del self._scored_plain[: -self.window]
                 return
             self.t_plain = c.verify if self.t_plain is None else (1 - self.cost_ema) * self.t_plain + self.cost_ema * c.verify
             pending, self._pending = self._pending, []
@@ -325,7 +329,9 @@ class AutoGamma(GammaPolicy):
             return
         tp = self.t_plain
         if c.gamma:
-            self._push_verify(c.gamma + 1, c.verify / tp)
+            self._scored_passes += 1
+            self._verify_obs.append((c.gamma + 1, c.verify / tp))
+            del self._verify_obs[: -2 * self.window]
             self._push(self._draft_ratios, c.draft / c.gamma / tp)
             if c.select > 0:
                 self._push(self._select_ratios, c.select / tp)
