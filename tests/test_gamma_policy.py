@@ -24,6 +24,13 @@ def _feed(p, g, t_draft, c0, c1, drafted, accepted, t_select=0.0):
                         torch.tensor(drafted), torch.tensor(accepted))
 
 
+def _feed_one(p, g, draft, verify, select=0.0, accepted=None, scored=None):
+    """One iteration of a batch-1 run: ``g`` drafted, ``accepted`` of them accepted (default all);
+    the verification scored the KV blocks iff ``g > 0`` unless ``scored`` says otherwise."""
+    p.observe_iteration(IterationCosts(g, draft, verify, select, scored=g > 0 if scored is None else scored),
+                        torch.tensor([g]), torch.tensor([g if accepted is None else accepted]))
+
+
 def _warm(p, t_draft, c0, c1, acc):
     """The two warm-up iterations (gamma first_gamma = 2, then 0), every row accepting ``acc`` of 2."""
     assert p.choose(CAPS, 8) == p.first_gamma == 2
@@ -101,15 +108,14 @@ def test_auto_batch_one_recovers_from_early_rejections():
     caps = torch.tensor([200])
     p = AutoGamma(8)
     assert p.choose(caps, 8) == 2
-    p.observe_iteration(IterationCosts(2, 2 * 0.04, 0.11 + 0.01 * 3, 0.001), torch.tensor([2]), torch.tensor([0]))
+    _feed_one(p, 2, 2 * 0.04, 0.11 + 0.01 * 3, 0.001, accepted=0)
     assert p.choose(caps, 8) == 0
-    p.observe_iteration(IterationCosts(0, 0.0, 0.11, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+    _feed_one(p, 0, 0.0, 0.11)
     gs = []
     for _ in range(60):
         g = p.choose(caps, 8)
         gs.append(g)
-        p.observe_iteration(IterationCosts(g, g * 0.04, 0.1 + 0.01 * (g + 1), 0.001 if g else 0.0, scored=g > 0),
-                            torch.tensor([g]), torch.tensor([g]))
+        _feed_one(p, g, g * 0.04, 0.1 + 0.01 * (g + 1), 0.001 if g else 0.0)
     first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
     assert first_on <= 20 and gs[-20:].count(0) == 0
 
@@ -124,15 +130,14 @@ def test_auto_explores_while_few_trials_say_it_loses():
 
     def run(p, accept, n=24):
         assert p.choose(caps, 8) == 2
-        p.observe_iteration(IterationCosts(2, 2 * 0.058, 0.101 + 0.0064 * 3, 0.0003), torch.tensor([2]), torch.tensor([0]))
+        _feed_one(p, 2, 2 * 0.058, 0.101 + 0.0064 * 3, 0.0003, accepted=0)
         assert p.choose(caps, 8) == 0
-        p.observe_iteration(IterationCosts(0, 0.0, 0.105, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
+        _feed_one(p, 0, 0.0, 0.105)
         gs = []
         for _ in range(n):
             g = p.choose(caps, 8)
             gs.append(g)
-            p.observe_iteration(IterationCosts(g, g * 0.058, 0.101 + 0.0064 * (g + 1), 0.0003 if g else 0.0, scored=g > 0),
-                                torch.tensor([g]), torch.tensor([g if accept else 0]))
+            _feed_one(p, g, g * 0.058, 0.101 + 0.0064 * (g + 1), 0.0003 if g else 0.0, accepted=g if accept else 0)
         return gs
 
     greedy, p = AutoGamma(8, exploration=0.0), AutoGamma(8)
@@ -155,11 +160,11 @@ def test_auto_verify_line_is_anchored_at_the_scored_plain_step():
     plain step: the overhead stays in the intercept and longer drafts are not overpriced."""
     p = AutoGamma(8)
     tp, s, c1 = 0.1, 0.02, 0.005  # plain step, block-scoring overhead, seconds per query row
-    p.observe_iteration(IterationCosts(0, 0.0, tp, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
-    p.observe_iteration(IterationCosts(2, 0.02, tp + s + c1 * 2, 0.001), torch.tensor([2]), torch.tensor([2]))
-    c0_unanchored, c1_unanchored = p.verify_fit()
+    _feed_one(p, 0, 0.0, tp)
+    _feed_one(p, 2, 0.02, tp + s + c1 * 2, 0.001)
+    c1_unanchored = p.verify_fit()[1]
     assert c1_unanchored == pytest.approx((s + 2 * c1) / 2)  # through (1, t_plain): overhead in the slope
-    p.observe_iteration(IterationCosts(0, 0.0, tp + s, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    _feed_one(p, 0, 0.0, tp + s, scored=True)
     c0, c1_fit = p.verify_fit()
     assert c1_fit == pytest.approx(c1) and c0 == pytest.approx(tp + s - c1)
     assert p.relative_cost(6) == pytest.approx((tp + s + 6 * c1) / tp + 6 * 0.1 + 0.01)
@@ -171,19 +176,19 @@ def test_auto_scored_plain_anchor_expires_and_stays_out_of_multi_q_fits():
     is the speculative passes' own."""
     p = AutoGamma(8)
     tp, anchor, t4 = 0.1, 1.13, 1.15 * (1.10 + 0.03 * 4)
-    p.observe_iteration(IterationCosts(0, 0.0, tp, 0.0, scored=False), torch.tensor([0]), torch.tensor([0]))
-    p.observe_iteration(IterationCosts(0, 0.0, tp * anchor, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    _feed_one(p, 0, 0.0, tp)
+    _feed_one(p, 0, 0.0, tp * anchor, scored=True)
     slopes = []
     for _ in range(2 * p.window):
-        p.observe_iteration(IterationCosts(3, 0.03, tp * t4, 0.001), torch.tensor([3]), torch.tensor([3]))
+        _feed_one(p, 3, 0.03, tp * t4, 0.001)
         slopes.append(p.verify_fit()[1] / tp)
     assert slopes[0] == pytest.approx((t4 - anchor) / 3)  # anchored
     assert slopes[-2] == pytest.approx((t4 - anchor) / 3)  # the anchor is the oldest of the last 2 * window
     assert slopes[-1] == pytest.approx((t4 - 1.0) / 3)  # expired: through the plain step (1, 1)
     # a second q: the least-squares line through the speculative passes, the scored plain step left out
-    p.observe_iteration(IterationCosts(0, 0.0, tp * 2.0, 0.0, scored=True), torch.tensor([0]), torch.tensor([0]))
+    _feed_one(p, 0, 0.0, tp * 2.0, scored=True)
     for _ in range(p.window):
-        p.observe_iteration(IterationCosts(5, 0.05, tp * 1.15 * (1.10 + 0.03 * 6), 0.001), torch.tensor([5]), torch.tensor([5]))
+        _feed_one(p, 5, 0.05, tp * 1.15 * (1.10 + 0.03 * 6), 0.001)
     c0, c1 = p.verify_fit()
     assert c1 == pytest.approx(tp * 1.15 * 0.03) and c0 == pytest.approx(tp * 1.15 * 1.10)
 
