@@ -18,9 +18,10 @@ medians over seeds.
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
 (cache effects between phases, a machine that changes speed; the plain step that scores the
 KV blocks before drafting is charged the verification line at q = 1, at least a plain step),
-and it prices verification
-with one line per cell, so it cannot show the step-shaped verify cost of the real kernels (query
-rows fill whole vector registers). It is how the policy's defaults
+and by default it prices verification
+with one line per cell, which smooths out the step-shaped verify cost of the real loop (query
+rows fill whole vector registers; at batch 4 the whole forward is not monotonic in q):
+``--verify-model measured`` uses each q's own measured cost instead. It is how the policy's defaults
 were chosen; the end-to-end runs are how they are judged.
 """
 from __future__ import annotations
@@ -43,24 +44,40 @@ from report import load_runs  # noqa: E402
 from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts  # noqa: E402
 
 
-def cells_from_runs(path):
+def cells_from_runs(path, verify_model="line", repeats="first"):
     """``{(context, batch): (t_plain, t_draft_step, t_select, verify(q) -> s)}`` in ms, from the
-    first repeat's fixed-gamma rows of an e2e ``runs.jsonl``."""
+    fixed-gamma rows of an e2e ``runs.jsonl``: the first repeat's (``repeats="first"``), or
+    every repeat's, each as a ratio to its own repeat's ``full`` step, medians over repeats times
+    the median ``full`` step (``"all"``). ``verify_model="line"``: a least-squares line through
+    the verification pass of each ``q``; ``"measured"``: each ``q``'s own cost (the step shape
+    the line smooths out), linear between measured ``q`` and from ``(1, t_plain)`` to the
+    smallest, flat past the largest."""
     rows, _ = load_runs([path])
     cells = {}
     for r in rows:
-        if r.get("repeat", 0) != 0 or r["algorithm"] != "vegas" or r["num_speculative_tokens"] in ("auto", 0):
+        if repeats == "first" and r.get("repeat", 0) != 0:
             continue
-        c = cells.setdefault((r["context"], r["batch_size"]), {"full": r["cost_t_full_ms"], "draft": [], "sel": [], "v": {}})
-        c["draft"].append(r["cost_t_draft_step_ms"])
-        c["sel"].append(r["cost_t_select_ms"])
-        c["v"][int(r["num_speculative_tokens"]) + 1] = r["cost_t_verify_ms"]
+        if r["algorithm"] != "vegas" or r["num_speculative_tokens"] in ("auto", 0):
+            continue
+        c = cells.setdefault((r["context"], r["batch_size"]), {"full": {}, "draft": [], "sel": [], "v": {}})
+        tf = r["cost_t_full_ms"]
+        c["full"][r.get("repeat", 0)] = tf
+        c["draft"].append(r["cost_t_draft_step_ms"] / tf)
+        c["sel"].append(r["cost_t_select_ms"] / tf)
+        c["v"].setdefault(int(r["num_speculative_tokens"]) + 1, []).append(r["cost_t_verify_ms"] / tf)
     out = {}
     for key, c in sorted(cells.items()):
-        q = np.array(sorted(c["v"]))
-        c1, c0 = np.polyfit(q, np.array([c["v"][x] for x in q]), 1)
-        out[key] = (c["full"], statistics.median(c["draft"]), statistics.median(c["sel"]),
-                    (lambda x, c0=c0, c1=c1: c0 + c1 * x))
+        tf = statistics.median(c["full"].values())
+        qs = sorted(c["v"])
+        vq = [tf * statistics.median(c["v"][x]) for x in qs]
+        if verify_model == "line":
+            c1, c0 = np.polyfit(np.array(qs), np.array(vq), 1)
+            verify = (lambda x, c0=c0, c1=c1: c0 + c1 * x)
+        elif verify_model == "measured":
+            verify = (lambda x, xp=[1] + qs, fp=[tf] + vq: float(np.interp(x, xp, fp)))
+        else:
+            raise ValueError(f"verify_model must be 'line' or 'measured', got {verify_model!r}")
+        out[key] = (tf, tf * statistics.median(c["draft"]), tf * statistics.median(c["sel"]), verify)
     return out
 
 
@@ -122,14 +139,18 @@ def main():
     ap.add_argument("--max-speculative-tokens", type=int, default=8)
     ap.add_argument("--noise", type=float, default=0.08, help="relative std of every timing")
     ap.add_argument("--seeds", type=int, default=16)
+    ap.add_argument("--verify-model", choices=["line", "measured"], default="line",
+                    help="verification cost per q: a line through the fixed-gamma runs, or each q's measured cost")
+    ap.add_argument("--repeats", choices=["first", "all"], default="first",
+                    help="costs from the first repeat, or medians over all repeats (ratios to each repeat's full step)")
     args = ap.parse_args()
     policies = {"full": lambda: FixedGamma(0), "auto": lambda: AutoGamma(args.max_speculative_tokens)}
     policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
     print(f"| context | batch | p | best fixed | auto / full | auto / best | ({args.new_tokens} new tokens, noise {args.noise}, "
-          f"{args.seeds} seeds)")
+          f"{args.seeds} seeds, verify {args.verify_model}, repeats {args.repeats})")
     print("|---:|---:|---:|---|---:|---:|---|")
     worst_full, worst_best = [], []
-    for (ctx, batch), (tp, td, ts, verify) in cells_from_runs(args.runs).items():
+    for (ctx, batch), (tp, td, ts, verify) in cells_from_runs(args.runs, args.verify_model, args.repeats).items():
         for p in args.acceptance:
             rate = {k: statistics.median(simulate(mk(), p, tp, td, ts, verify, args.new_tokens, batch, args.noise, s)
                                          for s in range(args.seeds)) for k, mk in policies.items()}
