@@ -193,6 +193,47 @@ def test_auto_scored_plain_anchor_expires_and_stays_out_of_multi_q_fits():
     assert c1 == pytest.approx(tp * 1.15 * 0.03) and c0 == pytest.approx(tp * 1.15 * 1.10)
 
 
+def _run_step_shaped(p, n, tp=0.1, draft=0.08, verify=None):
+    """``n`` iterations of a batch-2 run whose verification cost is a step function of q (in plain
+    steps: a dearer q = 3 between cheaper q = 2 and 4, as measured at 2K context, batch 4), every
+    draft accepted; after plain steps a scored plain step comes first, as in the loop."""
+    verify = verify or {1: 1.0, 2: 1.22, 3: 1.40, 4: 1.18, 5: 1.24, 6: 1.30, 7: 1.36, 8: 1.42, 9: 1.48}
+    gs, last = [], 1
+    for _ in range(n):
+        g = p.choose(CAPS, 8)
+        if g and last == 0:
+            p.note_plain_step()
+            p.observe_iteration(IterationCosts(0, 0.0, tp * 1.02, 0.0, scored=True),
+                                torch.tensor([0, 0]), torch.tensor([0, 0]))
+        p.observe_iteration(IterationCosts(g, g * draft, tp * verify[g + 1], 0.001 if g else 0.0, scored=g > 0),
+                            torch.tensor([g, g]), torch.tensor([g, g]))
+        gs.append(g)
+        last = g
+    return gs
+
+
+def test_auto_probes_walk_past_a_dearer_q():
+    """The warm-up times q = 3 (dear) and the probes q = 2; a line through them prices q = 4 at
+    ~1.6 plain steps and speculation never looks worth it. Probes price an untimed q one above a
+    timed one at that one's cost, so a probe tries q = 4, finds it cheap (1.18), and speculation
+    stays on (walking on to longer drafts, every one being accepted)."""
+    p = AutoGamma(8)
+    gs = _run_step_shaped(p, 14)
+    assert gs[-1] == 3 and p.num_probes == 2  # the second probe tried q = 4 ...
+    assert p.relative_cost(3) == pytest.approx(1.18 + 3 * 0.8 + 0.01)  # ... and it costs its own median
+    gs += _run_step_shaped(p, 46)
+    assert gs[14:].count(0) == 0 and min(gs[14:]) >= 3 and p.num_probes == 2, gs  # on for good
+
+
+def test_auto_probes_that_find_a_dearer_q_stay_plain():
+    """The same run with q >= 3 growing steeply: the probe that tries q = 4 times it dear, and
+    speculation stays off (probes only)."""
+    p = AutoGamma(8)
+    steep = {1: 1.0, 2: 1.22, 3: 1.40, 4: 1.60, 5: 1.80, 6: 2.0, 7: 2.2, 8: 2.4, 9: 2.6}
+    gs = _run_step_shaped(p, 60, verify=steep)
+    assert gs[10:].count(0) >= 42 and p.num_probes >= 3
+
+
 def test_auto_respects_limits_and_caps():
     p = AutoGamma(8)
     assert p.choose(CAPS, 0) == 0  # nothing may be drafted
