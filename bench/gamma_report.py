@@ -76,12 +76,14 @@ def summary_markdown(records: List[Dict[str, Any]]) -> str:
     cells = cell_rows(records)
     gammas = sorted({g for c in cells.values() for g in _fixed(c)})
     r0 = records[0]
+    commits = sorted({str(r.get("git_commit"))[:10] + (" (dirty)" if r.get("git_dirty") else "") for r in records})
+    new_tokens = sorted({r.get("max_new_tokens") for r in records}, key=str)
     lines = [
         "# num_speculative_tokens=auto vs full and fixed gamma",
         "",
         f"Model {r0.get('model')}, {r0.get('dtype')}, {r0.get('device')} ({r0.get('device_name')}, "
-        f"{r0.get('num_threads')} thread(s)); commit {str(r0.get('git_commit'))[:10]}"
-        f"{' (dirty)' if r0.get('git_dirty') else ''}; {r0.get('max_new_tokens')} new tokens per row, greedy, "
+        f"{r0.get('num_threads')} thread(s)); commit {', '.join(commits)}; "
+        f"{' / '.join(map(str, new_tokens))} new tokens per row (by run: see runs.jsonl), greedy, "
         "EOS ignored; vegas ratio 0.05, min 256 tokens, block size 1; auto: max_speculative_tokens "
         "8. Speedup = decode tok/s / decode tok/s of `full` in the same repeat (median over repeats).",
         "",
