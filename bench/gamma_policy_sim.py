@@ -17,7 +17,8 @@ medians over seeds.
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
 (cache effects between phases, a machine that changes speed; the plain step that scores the
-KV blocks before drafting is charged the verification line at q = 1, at least a plain step),
+KV blocks before drafting is charged the verification line at q = 1, at least a plain step;
+with ``--verify-model measured`` exactly a plain step, its scoring overhead not measured),
 and by default it prices verification
 with one line per cell, which smooths out the step-shaped verify cost of the real loop (query
 rows fill whole vector registers; at batch 4 the whole forward is not monotonic in q):
@@ -51,7 +52,10 @@ def cells_from_runs(path, verify_model="line", repeats="first"):
     the median ``full`` step (``"all"``). ``verify_model="line"``: a least-squares line through
     the verification pass of each ``q``; ``"measured"``: each ``q``'s own cost (the step shape
     the line smooths out), linear between measured ``q`` and from ``(1, t_plain)`` to the
-    smallest, flat past the largest."""
+    smallest, flat past the largest (both optimistic: the jump from ``q = 1`` is spread over the
+    q below the smallest measured one, and q past the largest cost no more; fixed gammas and
+    auto drafts beyond the measured range are favoured). Rows of a repeat without a ``full`` run
+    are skipped (with a note on stderr)."""
     rows, _ = load_runs([path])
     cells = {}
     for r in rows:
@@ -59,8 +63,12 @@ def cells_from_runs(path, verify_model="line", repeats="first"):
             continue
         if r["algorithm"] != "vegas" or r["num_speculative_tokens"] in ("auto", 0):
             continue
+        tf = r.get("cost_t_full_ms")
+        if not tf:  # its repeat has no `full` run to take ratios to
+            print(f"skipped: a {r['context']} x {r['batch_size']} row of repeat {r.get('repeat', 0)} without a full step time",
+                  file=sys.stderr)
+            continue
         c = cells.setdefault((r["context"], r["batch_size"]), {"full": {}, "draft": [], "sel": [], "v": {}})
-        tf = r["cost_t_full_ms"]
         c["full"][r.get("repeat", 0)] = tf
         c["draft"].append(r["cost_t_draft_step_ms"] / tf)
         c["sel"].append(r["cost_t_select_ms"] / tf)

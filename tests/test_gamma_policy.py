@@ -230,8 +230,34 @@ def test_auto_probes_that_find_a_dearer_q_stay_plain():
     speculation stays off (probes only)."""
     p = AutoGamma(8)
     steep = {1: 1.0, 2: 1.22, 3: 1.40, 4: 1.60, 5: 1.80, 6: 2.0, 7: 2.2, 8: 2.4, 9: 2.6}
-    gs = _run_step_shaped(p, 60, verify=steep)
+    gs = _run_step_shaped(p, 14, verify=steep)
+    assert gs[-1] == 3 and p.num_probes == 2  # the second probe tried q = 4 ...
+    assert p.relative_cost(3) == pytest.approx(1.60 + 3 * 0.8 + 0.01)  # ... and timed it dear
+    gs += _run_step_shaped(p, 46, verify=steep)
     assert gs[10:].count(0) >= 42 and p.num_probes >= 3
+
+
+def test_auto_optimistic_cost_is_the_lower_of_line_and_the_q_below():
+    """An untimed q is priced at most at the median of the q just below it (>= 2), and never above
+    the line; q two above a timed one, and q = 2 above the plain steps, keep the line."""
+    p = AutoGamma(8)
+    tp = 0.1
+    _feed_one(p, 0, 0.0, tp)
+    _feed_one(p, 0, 0.0, tp * 1.0, scored=True)
+    for _ in range(3):
+        _feed_one(p, 2, 0.02, tp * 1.4, 0.001)  # q = 3 at 1.4: the line through (1, 1.0) rises 0.2 per q
+    draft_sel = 3 * 0.1 + 0.01
+    assert p.relative_cost(3, optimistic=True) == pytest.approx(1.4 + draft_sel)  # q = 4: at q = 3's cost
+    assert p.relative_cost(3) == pytest.approx(1.6 + draft_sel)  # the line
+    assert p.relative_cost(4, optimistic=True) == pytest.approx(p.relative_cost(4))  # q = 5: the line
+    assert p.relative_cost(1, optimistic=True) == pytest.approx(p.relative_cost(1))  # q = 2: the line
+    # a q below the line's value stays at the line's value: a q - 1 dearer than the line is not used
+    p2 = AutoGamma(8)
+    _feed_one(p2, 0, 0.0, tp)
+    for q, t in ((3, 1.8), (5, 1.2)):  # least squares: flat at 1.5 (c1 < 0)
+        for _ in range(2):
+            _feed_one(p2, q - 1, 0.01 * (q - 1), tp * t, 0.001)
+    assert p2.relative_cost(3, optimistic=True) == pytest.approx(p2.relative_cost(3))
 
 
 def test_auto_respects_limits_and_caps():

@@ -160,15 +160,17 @@ class AutoGamma(GammaPolicy):
     a speculative and a plain iteration have been timed. After ``probe_interval`` plain
     iterations in a row it runs one probing iteration with the best ``g >= 1`` by predicted rate
     (acceptance and draft costs keep being learned, e.g. as the context grows; the pooled
-    acceptance lets a short probe inform every position, and where speculation loses the best
-    ``g`` is the shortest, so probing costs least there), its rate computed with optimistic
+    acceptance lets a short probe inform every position), its rate computed with optimistic
     verification costs: a ``q`` not timed lately, one above a timed ``q >= 2``, is assumed to
     cost no more than that one. A line through the timed ``q`` cannot foresee a cheaper ``q``
     past a dearer one, and at batch 4 on a 2-core CPU the whole forward is not monotonic in
     ``q`` (measured at 2K context: ``q = 2 / 3 / 4 / 5`` at 1.22 / 1.33 / 1.18 / 1.24 plain
     steps, the jump from ``q = 1`` taking most of it; a line through ``q = 1, 2`` prices
     ``q = 4`` at 1.7); so probes walk up one ``q`` at a time while a longer draft would pay at
-    the cost of the shorter one, and each probe times the ``q`` it tried. A probe that does not switch speculation back on
+    the cost of the shorter one, and each probe times the ``q`` it tried. Where the costs do
+    grow with ``q`` and drafts are mostly accepted, the probes so walk up to ``max_gamma`` one
+    step per probe (each costing little more than it emits); where drafts are mostly rejected the
+    longer drafts look worse and the probes stay short. A probe that does not switch speculation back on
     doubles the interval, up to ``max_probe_interval``. The acceptance counts are forgotten slowly
     (``acceptance_decay`` 0.97 per iteration) behind a prior worth ``prior_weight`` trials, so
     that a few early rejections at batch 1 do not turn speculation off for the rest of the run.
