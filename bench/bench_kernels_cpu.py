@@ -11,7 +11,9 @@ second against a one-thread tensor copy of the same size (bytes read per second)
 in the same run, interleaved, medians of wall-clock times. With --old-tree, a second worker
 process runs the same calls on that checkout's in-place build (two builds cannot share one
 process: both register the same operators), interleaved call by call with ours, so old and
-new see the same machine load. Also block_topk at the vegas default (block size 1: one row
+new see the same machine load (each timed call right after an untimed one, the order of the
+trees alternating every repeat: use an even --repeats; the anchors of a cell are timed before
+its kernel calls, not between them). Also block_topk at the vegas default (block size 1: one row
 per (batch, KV head, layer), all layers in one call). Writes <--out>_grid.{jsonl,md}.
 
 Compares, in one process, interleaved, medians of --repeats:
@@ -32,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -147,7 +150,21 @@ class Worker:
         self.p.wait()
 
 
-def grid_targets(rows, names):
+def fma_peak_gflops() -> Optional[float]:
+    """One core's fp32 FMA peak (bench/fma_peak.cpp, compiled here with g++ -march=native), or
+    None without a compiler. The fastest of three runs."""
+    exe = ROOT / "bench" / "results" / "tmp" / "fma_peak"
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(["g++", "-O3", "-march=native", str(ROOT / "bench" / "fma_peak.cpp"), "-o", str(exe)],
+                       check=True, capture_output=True)
+        return max(float(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()[0])
+                   for _ in range(3))
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def grid_targets(rows, names, peak=None):
     """Markdown lines: the grid read against the kernel's targets (medians over the matching rows)."""
     ver = [r for r in rows if r.get("kernel") == "verify_attention"]
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
@@ -160,6 +177,9 @@ def grid_targets(rows, names):
             if sel:
                 out.append(f"| Q 5-9, 1 thread: GFLOP/s / sgemm >= 0.60 | {shape} {S} | "
                            + " | ".join(f"{med([r[f'{n}_ratio_sgemm_per_thread'] for r in sel]):.2f}" for n in names) + " |")
+                if peak:
+                    out.append(f"| Q 5-9, 1 thread: GFLOP/s / FMA peak (stricter) | {shape} {S} | "
+                               + " | ".join(f"{med([r[f'{n}_gflops'] for r in sel]) / peak:.2f}" for n in names) + " |")
     q1 = [r for r in ver if r["Q"] == 1 and r["threads"] == 1 and "copy_gbs" in r]
     if q1:
         out.append("| Q 1, 1 thread: K/V GB/s / copy >= 0.70 | all shapes, S | "
@@ -207,6 +227,8 @@ def grid(args):
         return statistics.median(fn()["s"] for _ in range(n))
 
     names = list(trees)
+    peak = fma_peak_gflops()
+    meta["fma_peak_gflops"] = peak
     emit(f"# verify_attention grid: {meta['device_name']}, torch {meta['torch']}, fp32 cache, "
          + ", ".join(f"{n} = {commits[n]}" for n in names) + f", load average at start {load0[0]:.1f}")
     emit("")
@@ -214,6 +236,11 @@ def grid(args):
          "(bytes read per second of a tensor copy of the K/V's size) and / one-thread read GB/s (a `sum` over a "
          "tensor of that size: a read-only stream, the stricter anchor) (same run, interleaved, medians of "
          "wall-clock times).")
+    if peak:
+        emit("")
+        emit(f"One core's fp32 FMA peak (bench/fma_peak.cpp, FMAs in registers): {peak:.0f} GFLOP/s. A BLAS need not "
+             "reach it on every processor (on AMD EPYC, MKL's sgemm inside torch runs well below it), so the "
+             "targets table also reads the kernel against it.")
     emit("")
     hdr = "| shape | S | Q | bs | thr | sgemm GF/s | " + " | ".join(f"{n} ms | {n} GF/s | {n} ratio" for n in names)
     hdr += " | copy GB/s | read GB/s | " + " | ".join(f"{n} GB/s | {n} /copy | {n} /read" for n in names) + " |"
@@ -232,12 +259,20 @@ def grid(args):
                             w(op="verify", Q=Q, bs=bs, threads=threads)
                         samples = {n: [] for n in names}
                         mm, cp, rd = [], [], []
+                        # The anchors first, then a pause, then the kernels: a 2-thread kernel
+                        # call right after a torch.mm ran up to ~2x slower (the same tree in both
+                        # roles included; OMP_WAIT_POLICY=PASSIVE did not help).
                         for _ in range(args.repeats):
                             mm.append(workers["new"](op="mm", threads=1)["s"])
                             if Q == 1:
                                 cp.append(workers["new"](op="copy", numel=kv_bytes // 4, threads=1)["s"])
                                 rd.append(workers["new"](op="read", numel=kv_bytes // 4, threads=1)["s"])
-                            for n in names:
+                        time.sleep(0.3)
+                        for rep in range(args.repeats):
+                            # each call right after an untimed one (as in a forward, where the
+                            # calls come back to back); the order of the trees alternates.
+                            for n in (names if rep % 2 == 0 else names[::-1]):
+                                workers[n](op="verify", Q=Q, bs=bs, threads=threads)
                                 samples[n].append(workers[n](op="verify", Q=Q, bs=bs, threads=threads)["s"])
                         flops = 4 * B * Hq * Q * S * D
                         g_mm = 2 * 1024 ** 3 / statistics.median(mm) / 1e9
@@ -285,7 +320,7 @@ def grid(args):
         emit(f"| {rows_} x {N}, k={kk} (SmolLM2 batch 4, 30 layers, bs 1) | " + " | ".join(f"{r[f'{n}_ms']:.2f}" for n in names) + " |")
     for w in workers.values():
         w.close()
-    for line in grid_targets(rows, names):
+    for line in grid_targets(rows, names, peak):
         emit(line)
     load1 = os.getloadavg()
     emit("")

@@ -160,6 +160,29 @@ def test_cache_copy_and_pickle_keep_layers_bound():
         layer.get_seq_length()
 
 
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_cache_buffers_are_zero_and_advised_huge_pages():
+    """The KV buffers start as zeros; on Linux with transparent huge pages available ("always" or
+    "madvise") the cache asks for them (the advice covers the whole 2 MiB pages inside a buffer)."""
+    from vegas_ext.cache import advise_huge_pages
+
+    c = VegasCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=64, max_len=4096, dtype=torch.float32,
+                   device="cpu")
+    for layer in c.layers:
+        assert layer.keys.shape == (2, 3, 4096, 64) and not layer.keys.any() and not layer.values.any()
+    assert advise_huge_pages(torch.zeros(16)) is False  # smaller than one huge page: nothing to advise
+    big = c.layers[0].keys
+    if _thp_mode() in ("always", "madvise"):
+        assert advise_huge_pages(big) is True
+
+
 # --------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("lengths", [[1], [1, 40, 300]], ids=["alone", "batch"])
 def test_one_token_prompt(lengths):

@@ -84,8 +84,13 @@ def test_wrapper_uses_kernel_on_cpu():
 # Shapes at the edges of the main loop's blocking: rows live in vector lanes (8 or 16) and
 # are blocked 6 at a time in P.V, head_dim in 16-float chunks (64 at a time with AVX-512),
 # tokens in tiles of 64, several row vectors per score block (more than one block's worth
-# at R = 128).
+# at R = 128); with AVX-512, R <= 8 rows with R * D <= 384 take the tokens-in-lanes path (qk_few: 16 tokens per
+# score vector, head_dim tails by masked loads, row-wise softmax).
 EDGE_SHAPES = [
+    (3, 2, 8, 2, 40, 77, 1),      # R = 8, the most rows of the tokens-in-lanes path; D 40 = 32 + 8
+    (2, 3, 9, 3, 64, 100, 1),     # R = 9, the fewest rows of the rows-in-lanes path
+    (2, 1, 6, 2, 128, 300, 1),    # R = 3, D 128: the tokens-in-lanes path's largest R * D (384)
+    (2, 2, 16, 4, 128, 100, 1),   # R = 8, D 128: R * D above it, rows in lanes
     (2, 5, 7, 1, 80, 333, 1),     # R = 35: not a multiple of 6, 8 or 16; D 80 = 64 + 16
     (1, 3, 10, 5, 72, 200, 16),   # R = 6, D 72: a head_dim tail below one vector
     (2, 16, 8, 1, 64, 150, 7),    # R = 128: several score blocks of row vectors

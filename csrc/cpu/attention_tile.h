@@ -18,7 +18,8 @@
 //       head_dim vectors in registers, P broadcast, V rows read as vectors.
 // Online softmax (FlashAttention, Dao et al. 2022) in fp32, vertical over the rows: the
 // running max, sum, and the per-block probability sums (verification's block scores)
-// are all row vectors. bf16 / fp16 caches are converted to fp32 one tile at a time.
+// are all row vectors. With AVX-512 and few rows (R <= 8, R * D <= 384: plain decoding and
+// drafting, R = the GQA group) the tile runs with tokens in lanes instead (see qk_few). bf16 / fp16 caches are converted to fp32 one tile at a time.
 // Tokens are visited in ascending order wherever causality can mask them, so each row's
 // visible tokens are a prefix of the tile.
 #ifndef VEGAS_ISA
@@ -166,9 +167,11 @@ static inline void qk_rows(const float* qt, int Rp, int rv0, const float* const*
 }
 
 // acc rows [r0, r0 + MR), head_dim vectors [d0, d0 + ND * VW):
-//   acc = alpha * acc + sum_{t < ntok} p[t * Rp + r] * vrow[t][d].
+//   acc = alpha * acc + sum_{t < ntok} P[t, r] * vrow[t][d],
+// P[t, r] = p[t * Rp + r] (token-major, the rows-in-lanes softmax), or, with kRowP,
+// p[r * kTile + t] (row-major, the few-rows path).
 // pf != 0: prefetch the V rows' counterparts pf floats ahead (the next tile).
-template <int MR, int ND>
+template <int MR, int ND, bool kRowP = false>
 static inline void pv_block(const float* p, int Rp, int r0, const float* const* vrow, int ntok,
                             const float* alpha, int d0, int D, int64_t pf, float* acc) {
   vf a[MR][ND];
@@ -176,14 +179,16 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
     const vf al = splat(alpha[r0 + i]);
     for (int n = 0; n < ND; ++n) a[i][n] = ld(acc + (r0 + i) * D + d0 + n * VW) * al;
   }
-  const float* pt = p + r0;
-  for (int t = 0; t < ntok; ++t, pt += Rp) {
+  constexpr int rs = kRowP ? kTile : 1;  // row stride of P
+  const int ts = kRowP ? 1 : Rp;           // token stride of P
+  const float* pt = p + r0 * rs;
+  for (int t = 0; t < ntok; ++t, pt += ts) {
     if (pf)
       for (int n = 0; n < ND * VW; n += 16) __builtin_prefetch(vrow[t] + pf + d0 + n, 0, kPrefetchLocality);
     vf v[ND];
     for (int n = 0; n < ND; ++n) v[n] = ld(vrow[t] + d0 + n * VW);
     for (int i = 0; i < MR; ++i) {
-      const vf pb = splat(pt[i]);
+      const vf pb = splat(pt[i * rs]);
       for (int n = 0; n < ND; ++n) a[i][n] += pb * v[n];
     }
   }
@@ -191,34 +196,181 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
     for (int n = 0; n < ND; ++n) st(acc + (r0 + i) * D + d0 + n * VW, a[i][n]);
 }
 
-template <int MR>
+template <int MR, bool kRowP = false>
 static inline void pv_rows(const float* p, int Rp, int r0, const float* const* vrow, int ntok,
                            const float* alpha, int D, int64_t pf, float* acc) {
   int d0 = 0;
   for (; d0 + kPvND * VW <= D; d0 += kPvND * VW)
-    pv_block<MR, kPvND>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
+    pv_block<MR, kPvND, kRowP>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
   if constexpr (kPvND > 2)
-    for (; d0 + 2 * VW <= D; d0 += 2 * VW) pv_block<MR, 2>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
-  for (; d0 + VW <= D; d0 += VW) pv_block<MR, 1>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
+    for (; d0 + 2 * VW <= D; d0 += 2 * VW) pv_block<MR, 2, kRowP>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
+  for (; d0 + VW <= D; d0 += VW) pv_block<MR, 1, kRowP>(p, Rp, r0, vrow, ntok, alpha, d0, D, pf, acc);
   for (; d0 < D; ++d0)
     for (int i = 0; i < MR; ++i) {
       float x = acc[(r0 + i) * D + d0] * alpha[r0 + i];
-      for (int t = 0; t < ntok; ++t) x += p[t * Rp + r0 + i] * vrow[t][d0];
+      for (int t = 0; t < ntok; ++t) x += (kRowP ? p[(r0 + i) * kTile + t] : p[t * Rp + r0 + i]) * vrow[t][d0];
       acc[(r0 + i) * D + d0] = x;
     }
 }
 
+template <bool kRowP = false>
 static inline void pv_tail(int mr, const float* p, int Rp, int r0, const float* const* vrow, int ntok,
                            const float* alpha, int D, int64_t pf, float* acc) {
   switch (mr) {
-    case 1: pv_rows<1>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
-    case 2: pv_rows<2>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
-    case 3: pv_rows<3>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
-    case 4: pv_rows<4>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
-    case 5: pv_rows<5>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 1: pv_rows<1, kRowP>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 2: pv_rows<2, kRowP>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 3: pv_rows<3, kRowP>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 4: pv_rows<4, kRowP>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
+    case 5: pv_rows<5, kRowP>(p, Rp, r0, vrow, ntok, alpha, D, pf, acc); break;
     default: break;
   }
 }
+
+#if defined(__clang__)
+#define VEGAS_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define VEGAS_SHUF(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+// Lane i of the result = sum of the lanes of a[i], i < VW (a transpose-and-add tree).
+static inline vf hsum_many(const vf* a) {
+#if VEGAS_VW == 8
+  vf t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return VEGAS_SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + VEGAS_SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#elif VEGAS_VW == 16
+  vf t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // lane 2c: a[2i] pair c; lane 2c+1: a[2i+1] pair c
+    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)  // lane 4c + m: a[4i + m] quad c
+    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)  // lane 8c + m: a[8i + m] octet c
+    w[i] = VEGAS_SHUF(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           VEGAS_SHUF(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return VEGAS_SHUF(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         VEGAS_SHUF(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#else
+#error "hsum_many: VEGAS_VW must be 8 or 16"
+#endif
+}
+
+// ---- few rows (R <= kFewRows, AVX-512 only): tokens in lanes ------------------------------
+// With few rows (plain decoding and drafting: R = the GQA group, e.g. 3 or 4) most lanes of the
+// rows-in-lanes layout would be padding (R = 3 of 16 lanes), and the QK loop would spend a
+// vector FMA per head_dim element and token. Here each row is dotted with 16 K rows at a time
+// (head_dim in lanes, the K rows read as vectors) and the 16 partial-sum vectors are reduced
+// with a transpose-and-add tree, so the scores come out with tokens in lanes; the online
+// softmax then runs per row over the tile (row-major P, s[r * kTile + t]), and P V reads P
+// row-major. Per 16 tokens and row: D / 16 + ~3 vector ops per token instead of D.
+// Taken for R <= 8 rows with R * D <= 384. Measured on one AMD EPYC (Zen 5) core against the
+// rows-in-lanes loop, 8K-32K tokens from DRAM (bench/results/kernels_cpu_amd_grid.md and a
+// first grid before the D limit): R = 3, D 64 1.13-1.85x faster (median ~1.2); R = 6, D 64
+// 0.77-1.34x (median ~1.05); R = 4, D 128 0.84-1.05x (median ~0.95: memory-bound either way,
+// though 1.4x faster from L2) and R = 8, D 128 0.84-0.88x, so these keep the rows-in-lanes loop.
+#if VEGAS_VW == 16 && VEGAS_NREGS >= 32
+constexpr int kFewRows = 8;
+constexpr int kFewRowsDims = 384;  // most R * D
+
+// s[r * kTile + t] = q_r . krow[t] for r < R, t < ntok (rounded up to 16; the lanes past ntok
+// repeat token ntok - 1). q: [R, D] fp32 row-major, scaled. pf != 0: prefetch the K rows'
+// counterparts pf floats ahead (the next tile), 16 rows before their scores are computed.
+static inline void qk_few(const float* q, int R, int D, const float* const* krow, int ntok, int64_t pf,
+                          float* s) {
+  const int Dv = D / VW;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (D % VW)) - 1);
+  for (int t0 = 0; t0 < ntok; t0 += VW) {
+    const float* kr[VW];
+    for (int i = 0; i < VW; ++i) kr[i] = krow[std::min(t0 + i, ntok - 1)];
+    if (pf)
+      for (int i = 0; i < VW; ++i)
+        for (int e = 0; e < D; e += 16) __builtin_prefetch(kr[i] + pf + e, 0, kPrefetchLocality);
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      vf a[VW];
+      for (int i = 0; i < VW; ++i) a[i] = vf{};
+      for (int e = 0; e < Dv; ++e) {
+        const vf qv = ld(qr + e * VW);
+        for (int i = 0; i < VW; ++i) a[i] += qv * ld(kr[i] + e * VW);
+      }
+      if (tail) {
+        const vf qv = (vf)_mm512_maskz_loadu_ps(tail, qr + Dv * VW);
+        for (int i = 0; i < VW; ++i) a[i] += qv * (vf)_mm512_maskz_loadu_ps(tail, kr[i] + Dv * VW);
+      }
+      st(s + r * kTile + t0, hsum_many(a));
+    }
+  }
+}
+
+// Masks each row's scores past its visible prefix nvis[r], then the online-softmax update of
+// the tile, per row: m, l, alpha (and blk's mt) as in the rows-in-lanes path, p overwrites s.
+static inline void softmax_few(int R, const int* nvis, float* s, float* m, float* l, float* alpha,
+                               float* mt) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  vi lane;
+  for (int i = 0; i < VW; ++i) lane[i] = i;
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * kTile;
+    const vi lim = vi{} + nvis[r];
+    vf mx = splat(kNegInf);
+    for (int v = 0; v < kTile / VW; ++v) {
+      vf x = ld(sr + v * VW);
+      x = lane + v * VW >= lim ? splat(kNegInf) : x;
+      st(sr + v * VW, x);
+      mx = x > mx ? x : mx;
+    }
+    float mxs = kNegInf;
+    for (int i = 0; i < VW; ++i) mxs = mx[i] > mxs ? mx[i] : mxs;
+    const float m_old = m[r];
+    const float m_new = mxs > m_old ? mxs : m_old;
+    const float al = m_old == kNegInf ? 0.f : vexp(splat(m_old - m_new))[0];
+    const vf mn = splat(m_new);
+    vf sum = vf{};
+    for (int v = 0; v < kTile / VW; ++v) {
+      const vf x = ld(sr + v * VW);
+      vf p = vexp(x - mn);
+      p = x == splat(kNegInf) ? vf{} : p;
+      st(sr + v * VW, p);
+      sum += p;
+    }
+    float ss = 0.f;
+    for (int i = 0; i < VW; ++i) ss += sum[i];
+    alpha[r] = al;
+    l[r] = l[r] * al + ss;
+    m[r] = m_new;
+    if (mt) mt[r] = m_new;
+  }
+}
+
+// The block sums of one tile from row-major P (see attend): R floats per block.
+static inline void block_sums_few(int R, const float* p, int nt, const int64_t* tok, const float* alpha,
+                                  const BlockSums& blk) {
+  const int64_t bs = blk.block_size;
+  int64_t off = tok[0] % bs;
+  float* bsum = blk.bsum + (tok[0] / bs - blk.block0) * R;
+  if (off != 0)
+    for (int r = 0; r < R; ++r) bsum[r] *= alpha[r];
+  for (int j = 0; j < nt; ++j) {
+    if (off == 0)
+      for (int r = 0; r < R; ++r) bsum[r] = p[r * kTile + j];
+    else
+      for (int r = 0; r < R; ++r) bsum[r] += p[r * kTile + j];
+    if (++off == bs) {
+      off = 0;
+      bsum += R;
+    }
+  }
+}
+#else
+constexpr int kFewRows = 0;
+constexpr int kFewRowsDims = 0;
+#endif
 
 // Packs the task's query rows for the QK micro-kernel: qt[d * Rp + r] = scale * q_r[d]
 // (zero in padded lanes); q row r at q + r * D (fp32).
@@ -242,6 +394,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const int D = rows.D;
   const int Rp = row_pad(R);
   const int NVall = Rp / VW;
+  const bool few = R <= kFewRows && R * D <= kFewRowsDims;  // tokens in lanes (see qk_few)
   int* nvis = ws.nv;
   const float* krow[kTile];
   const float* vrow[kTile];
@@ -252,9 +405,22 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const int64_t pf_v = direct ? kTile * v_st : 0;
   for (int64_t i0 = 0, tile = 0; i0 < n; i0 += kTile, ++tile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTile, n - i0));
-    if (list)
+    if (list) {
       for (int j = 0; j < nt; ++j) tok[j] = list[i0 + j];
-    else
+      // gathered tokens (a draft's selected blocks): no hardware prefetcher foresees them, and
+      // from DRAM each row costs a full miss latency. The next tile's rows are known: ask for
+      // all of their lines now, so they arrive while this tile is computed.
+      const int64_t pa = i0 == 0 ? 0 : i0 + kTile;  // first tile: this one and the next
+      const int64_t nn = std::min<int64_t>(i0 == 0 ? 2 * kTile : kTile, n - pa);
+      for (int64_t j = 0; j < nn; ++j) {
+        const char* kr = reinterpret_cast<const char*>(k + list[pa + j] * k_st);
+        const char* vr = reinterpret_cast<const char*>(v + list[pa + j] * v_st);
+        for (int64_t o = 0; o < D * int64_t(sizeof(T)); o += 64) {
+          __builtin_prefetch(kr + o, 0, kPrefetchLocality);
+          __builtin_prefetch(vr + o, 0, kPrefetchLocality);
+        }
+      }
+    } else
       for (int j = 0; j < nt; ++j) tok[j] = first + i0 + j;
     // visible prefix of each row (rows' limits are non-decreasing in r)
     int ntmax = 0;
@@ -280,7 +446,10 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
           vrow[j] = vd;
         }
       }
-      for (int rv0 = 0; rv0 < NVall;) {
+#if VEGAS_VW == 16 && VEGAS_NREGS >= 32
+      if (few) qk_few(rows.q, R, D, krow, ntmax, pf_k, ws.s);
+#endif
+      for (int rv0 = 0; !few && rv0 < NVall;) {
         const int nv = std::min(kQkMaxNV, NVall - rv0);
         if (nv == 3)
           qk_rows<3>(rows.qt, Rp, rv0, krow, ntmax, D, rv0 == 0 ? pf_k : 0, ws.s);
@@ -291,6 +460,17 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
         rv0 += nv;
       }
     }
+#if VEGAS_VW == 16 && VEGAS_NREGS >= 32
+    if (few) {
+      softmax_few(R, nvis, ws.s, m, l, ws.alpha, blk ? blk->mt + tile * Rp : nullptr);
+      if (blk) block_sums_few(R, ws.s, nt, tok, ws.alpha, *blk);
+      int r = 0;
+      for (; r + kPvMR <= R; r += kPvMR)
+        pv_rows<kPvMR, true>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
+      if (r < R) pv_tail<true>(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
+      continue;
+    }
+#endif
     // causal mask (and the padded lanes, whose limit is -1), then tokens no row sees
     for (int j = 0; j < ntmax; ++j) {
       const vi tj = vi{} + static_cast<int32_t>(tok[j]);
@@ -354,41 +534,6 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       pv_rows<kPvMR>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
     if (r < R) pv_tail(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
   }
-}
-
-#if defined(__clang__)
-#define VEGAS_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define VEGAS_SHUF(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
-#endif
-
-// Lane i of the result = sum of the lanes of a[i], i < VW (a transpose-and-add tree).
-static inline vf hsum_many(const vf* a) {
-#if VEGAS_VW == 8
-  vf t[4], u[2];
-  for (int i = 0; i < 4; ++i)
-    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  for (int i = 0; i < 2; ++i)
-    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return VEGAS_SHUF(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + VEGAS_SHUF(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-#elif VEGAS_VW == 16
-  vf t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)  // lane 2c: a[2i] pair c; lane 2c+1: a[2i+1] pair c
-    t[i] = VEGAS_SHUF(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           VEGAS_SHUF(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  for (int i = 0; i < 4; ++i)  // lane 4c + m: a[4i + m] quad c
-    u[i] = VEGAS_SHUF(t[2 * i], t[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           VEGAS_SHUF(t[2 * i], t[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  for (int i = 0; i < 2; ++i)  // lane 8c + m: a[8i + m] octet c
-    w[i] = VEGAS_SHUF(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           VEGAS_SHUF(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  return VEGAS_SHUF(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         VEGAS_SHUF(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-#else
-#error "hsum_many: VEGAS_VW must be 8 or 16"
-#endif
 }
 
 // Block scores of one task's blocks: out[j] = sum_{r < R} f[r] * bsum[j * R + r] for

@@ -22,6 +22,7 @@ struct Rows {
   int D;                // head_dim
   const float* qt;      // [D, Rp] fp32: qt[d * Rp + r] = scale * q_r[d], 0 in padded lanes
   const int32_t* pos32; // [Rp] last token index each row may attend to (causal limit); -1 padded
+  const float* q;       // [R, D] fp32 row-major: q[r * D + d] = scale * q_r[d] (the few-rows path)
 };
 
 // Scratch for one task (sizes for R rows, head_dim D).
@@ -60,7 +61,7 @@ struct TaskBuffers {
         pos[r] = static_cast<int32_t>(L - Q + i);
       }
   }
-  Rows rows() const { return Rows{R, D, qt.data(), pos.data()}; }
+  Rows rows() const { return Rows{R, D, qt.data(), pos.data(), qf.data()}; }
   Scratch ws() {
     float* sc = scratch.data();
     return Scratch{sc, sc + D * kTile, sc + 2 * D * kTile, sc + 2 * D * kTile + (kTile + 8) * Rp, nv.data()};

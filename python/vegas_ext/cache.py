@@ -23,6 +23,8 @@ No ``torch.cat`` growth, no per-step copies of the cache.
 from __future__ import annotations
 
 import copy
+import ctypes
+import sys
 import weakref
 from typing import List, Optional, Tuple
 
@@ -31,6 +33,46 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 __all__ = ["VegasCache", "VegasCacheLayer"]
+
+_HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 / arm64 Linux
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: Tensor) -> bool:
+    """Asks Linux to back the whole 2 MiB pages inside ``t``'s storage with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``), before they are first touched.
+
+    Decoding streams the whole KV cache once per step; with 4 KiB pages every 16 tokens of a
+    ``D = 64`` fp32 row cross a page, and the TLB misses cost ~15 % of ``verify_attention`` at 8K
+    tokens (measured on one AMD EPYC core with huge pages off by default, "madvise" mode). A no-op
+    (returns False) on other platforms, on non-CPU tensors, for tensors smaller than one huge page,
+    or when the kernel refuses the advice (built without huge-page support); with huge pages set
+    to "never" the advice is accepted and has no effect. The tensor's values are never changed.
+
+    Args:
+        t: any tensor (a KV buffer: ``[B, H_kv, S_max, D]``).
+
+    Returns:
+        True when the advice was given to at least one whole 2 MiB page."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    addr = t.data_ptr()
+    start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
+    end = (addr + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _zeros(shape, dtype, device) -> Tensor:
+    """``torch.zeros``, on CPU with huge pages advised before the zeros touch the pages."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge_pages(t)
+    return t.zero_()
 
 
 class VegasCacheLayer(CacheLayerMixin):
@@ -123,7 +165,9 @@ class VegasCache(Cache):
         seq_lens: ``[B]`` int32, valid tokens per row *during* the current forward
             (``lengths + offset + Q``), set by :meth:`begin_forward`.
 
-    Memory: ``2 * num_layers * B * H_kv * S_max * D * itemsize`` bytes, allocated once (zeros).
+    Memory: ``2 * num_layers * B * H_kv * S_max * D * itemsize`` bytes, allocated once (zeros; on
+    Linux CPUs backed by transparent huge pages where the system allows, see
+    :func:`advise_huge_pages`).
     """
 
     def __init__(
@@ -140,7 +184,7 @@ class VegasCache(Cache):
             raise ValueError("VegasCache: all sizes must be >= 1")
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         layers = [
-            VegasCacheLayer(self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            VegasCacheLayer(self, _zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(num_layers)
         ]
         super().__init__(layers=layers)
