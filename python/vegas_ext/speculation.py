@@ -293,6 +293,12 @@ class AutoGamma(GammaPolicy):
             cum.append(cum[-1] + p)
         return float(sum(1.0 + cum[min(g, max(0, int(c)))] for c in caps.tolist()))
 
+    def rate(self, g: int, caps: Tensor, acceptance: Optional[List[float]] = None,
+             optimistic: bool = False) -> float:
+        """Predicted emitted tokens per plain-step time with ``g`` drafts:
+        ``expected_tokens(g, caps, acceptance) / relative_cost(g, optimistic)``."""
+        return self.expected_tokens(g, caps, acceptance) / max(self.relative_cost(g, optimistic), 1e-12)
+
     # ------------------------------------------------------------------ policy
     def choose(self, caps: Tensor, limit: int) -> int:
         hi = max(0, min(self.max_gamma, int(limit)))
@@ -304,21 +310,19 @@ class AutoGamma(GammaPolicy):
         elif it == 1 or self.t_plain is None:
             g = 0
         else:
-            rate = [self.expected_tokens(g, caps) / max(self.relative_cost(g), 1e-12) for g in range(hi + 1)]
+            rate = [self.rate(g, caps) for g in range(hi + 1)]
             rate[0] *= 1.0 + self.margin  # speculate only on a clear predicted gain
             g = max(range(hi + 1), key=lambda i: rate[i])
             if g == 0 and self.exploration > 0:  # few trials behind the estimates: optimistic
                 best = max(range(1, hi + 1), key=lambda i: rate[i])
-                upper = self.expected_tokens(best, caps, self.acceptance_upper()) / max(self.relative_cost(best), 1e-12)
-                if upper > rate[0]:
+                if self.rate(best, caps, self.acceptance_upper()) > rate[0]:
                     g = best
             if g > 0:
                 self._plain_run, self.probe_interval = 0, self.min_probe_interval
             else:
                 self._plain_run += 1
                 if self._plain_run >= self.probe_interval:
-                    opt = [self.expected_tokens(i, caps) / max(self.relative_cost(i, optimistic=True), 1e-12)
-                           for i in range(hi + 1)]
+                    opt = [self.rate(i, caps, optimistic=True) for i in range(hi + 1)]
                     g = max(range(1, hi + 1), key=lambda i: opt[i])
                     self.num_probes += 1
                     self._plain_run = 0
