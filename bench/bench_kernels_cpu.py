@@ -14,7 +14,9 @@ process: both register the same operators), interleaved call by call with ours, 
 new see the same machine load (each timed call right after an untimed one, the order of the
 trees alternating every repeat: use an even --repeats; the anchors of a cell are timed before
 its kernel calls, not between them). Also block_topk at the vegas default (block size 1: one row
-per (batch, KV head, layer), all layers in one call). Writes <--out>_grid.{jsonl,md}.
+per (batch, KV head, layer), all layers in one call) and sparse_draft_attention at the vegas
+default (5 % of 8K tokens in 1-token blocks, 30 layers' caches, so its gathers come from DRAM;
+--skip-verify: only these). Writes <--out>_grid.{jsonl,md}.
 
 Compares, in one process, interleaved, medians of --repeats:
 * verify_attention (Q=7, GQA 4: 32 query / 8 KV heads, D=128) vs
@@ -117,6 +119,25 @@ def worker(tree: str):
             src = state["read"]
             t = time.perf_counter()
             src.sum()
+            res = {"s": time.perf_counter() - t}
+        elif req["op"] == "draft":
+            # sparse_draft_attention at the vegas default over `layers` distinct caches (each call
+            # reads its K/V from DRAM, as the 30 layers of a draft step do): K sorted random
+            # 1-token blocks before the tail of 7 tokens, all layers timed together
+            B, Hq, Hkv, D, S, K, L = (req[x] for x in ("B", "Hq", "Hkv", "D", "S", "K", "layers"))
+            key = (B, Hq, Hkv, D, S, K, L)
+            if state.get("draft_key") != key:
+                g = torch.Generator().manual_seed(2)
+                kv = [(torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)) for _ in range(L)]
+                idx = torch.stack([torch.randperm(S - 7, generator=g)[:K].sort().values for _ in range(B * Hkv)])
+                state["draft"] = (kv, idx.view(B, Hkv, K).int(), torch.full((B,), S - 7, dtype=torch.int32),
+                                  torch.full((B,), S, dtype=torch.int32), torch.randn(B, 1, Hq, D))
+                state["draft_key"] = key
+            kv, idx, tail, lens, q = state["draft"]
+            f = torch.ops.vegas.sparse_draft_attention
+            t = time.perf_counter()
+            for k, v in kv:
+                f(q, k, v, idx, tail, lens, 1, D ** -0.5)
             res = {"s": time.perf_counter() - t}
         elif req["op"] == "topk":
             R, N, kk = req["rows"], req["N"], req["k"]
@@ -246,7 +267,7 @@ def grid(args):
     hdr += " | copy GB/s | read GB/s | " + " | ".join(f"{n} GB/s | {n} /copy | {n} /read" for n in names) + " |"
     emit(hdr)
     emit("|" + "---|" * (hdr.count("|") - 1))
-    for shape in args.shapes:
+    for shape in ([] if args.skip_verify else args.shapes):
         B, Hq, Hkv, D = GRID_SHAPES[shape]
         for S in args.seq_lens:
             for w in workers.values():
@@ -301,6 +322,26 @@ def grid(args):
                             line += " | - | - | " + " | ".join("- | - | -" for _ in names) + " |"
                         rows.append(r)
                         emit(line)
+    # sparse_draft_attention at the vegas default: 5 % of 8K in 1-token blocks, 30 layers
+    emit("")
+    emit("| sparse_draft_attention, 30 layers x (shape, 8K, 5 % budget in 1-token blocks + 7 tail tokens), 1 thread | "
+         + " | ".join(f"{n} ms" for n in names) + " |")
+    emit("|---|" + "---|" * len(names))
+    for shape in ("smollm2-b1", "smollm2-b4"):
+        B, Hq, Hkv, D = GRID_SHAPES[shape]
+        req = dict(op="draft", B=B, Hq=Hq, Hkv=Hkv, D=D, S=8192, K=410, layers=30, threads=1)
+        samples = {n: [] for n in names}
+        for w in workers.values():
+            w(**req)
+        for rep in range(args.repeats):
+            for n in (names if rep % 2 == 0 else names[::-1]):
+                samples[n].append(workers[n](**req)["s"])
+        r = dict(meta, kernel="sparse_draft_attention", shape=shape, B=B, Hq=Hq, Hkv=Hkv, D=D, S=8192, K=410,
+                 layers=30, block_size=1, threads=1)
+        for n in names:
+            r[f"{n}_ms"] = statistics.median(samples[n]) * 1e3
+        rows.append(r)
+        emit(f"| {shape} | " + " | ".join(f"{r[f'{n}_ms']:.2f}" for n in names) + " |")
     # block_topk at the vegas default: block size 1 (N = S blocks), one row per (batch, KV head, layer)
     emit("")
     emit("| block_topk rows x N, k | " + " | ".join(f"{n} ms" for n in names) + " |")
@@ -339,6 +380,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", action="store_true", help="the verify_attention grid (see above)")
     ap.add_argument("--old-tree", help="--grid: a second checkout with an in-place build, timed side by side")
+    ap.add_argument("--skip-verify", action="store_true",
+                    help="--grid: only the sparse_draft_attention and block_topk rows")
     ap.add_argument("--shapes", nargs="+", default=list(GRID_SHAPES), choices=list(GRID_SHAPES))
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 5, 7, 9])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 16])
