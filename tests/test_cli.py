@@ -7,6 +7,7 @@ the embedded SmolLM2 GGUF (converted once, then cached) and the embedded documen
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -440,8 +441,10 @@ def test_half_precision_greedy_equal_up_to_near_ties(i, dtype, contract_models, 
 
 
 def _tie_model(tiny_model_dir, tmp_path):
-    """The tiny model with two lm_head rows made equal: tokens a < b then always tie exactly, and
-    plain greedy's first token is a (argmax takes the lower index)."""
+    """The tiny model with two lm_head rows made equal: tokens a and b then tie up to the GEMM's
+    rounding (the BLAS may compute the two columns in different blockings: 2.4e-7 apart, a few
+    ulps, with MKL on an AMD EPYC), and plain greedy's first token is a (the higher logit, or the
+    lower index on an exact tie)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -453,7 +456,10 @@ def _tie_model(tiny_model_dir, tmp_path):
         a = order[0]
         b = max(t for t in range(len(tok)) if t != a)  # a higher index than a
         m.lm_head.weight[b].copy_(m.lm_head.weight[a])
-        worst = int(m(ids).logits[0, -1].argmin())
+        tied = m(ids).logits[0, -1]
+        worst = int(tied.argmin())
+        if tied[b] > tied[a]:  # rounding put b ahead: greedy's first token is b
+            a, b = b, a
     folder = str(tmp_path / "tie")
     m.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -486,10 +492,10 @@ def test_compare_reports_a_near_tie(tiny_model_dir, tmp_path, capsys, monkeypatc
     f = d["first_difference"]
     assert d["identical"] is False and d["baseline_token_ids"][0][0] == a
     assert f["row"] == 0 and f["token"] == 0 and f["ours"] == b and f["baseline"] == a
-    assert f["abs_delta_logit"] == 0.0 and f["near_tie"] is True
+    assert f["abs_delta_logit"] < 1e-5 and f["ulps"] <= 8 and f["near_tie"] is True
     rc, out, err = run_cli(argv, capsys)
     line = next(l for l in err.splitlines() if l.startswith("identical"))
-    assert "differs at token 0 (near-tie, |Δlogit| = 0 = 0.0 float32 ulp)" in line, line
+    assert re.search(r"differs at token 0 \(near-tie, \|Δlogit\| = \S+ = [0-9.]+ float32 ulp\)", line), line
     assert "token-for-token" in line and "up to ties and rounding" in line
 
 

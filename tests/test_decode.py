@@ -178,6 +178,8 @@ def test_cache_buffers_are_zero_and_advised_huge_pages():
     for layer in c.layers:
         assert layer.keys.shape == (2, 3, 4096, 64) and not layer.keys.any() and not layer.values.any()
     assert advise_huge_pages(torch.zeros(16)) is False  # smaller than one huge page: nothing to advise
+    assert advise_huge_pages(torch.zeros(1 << 20).to_sparse()) is False  # no strided storage
+    assert advise_huge_pages(torch.zeros(1).expand(1 << 24)) is False  # 4 bytes of storage, not 64 MiB
     big = c.layers[0].keys
     if _thp_mode() in ("always", "madvise"):
         assert advise_huge_pages(big) is True

@@ -39,26 +39,27 @@ _MADV_HUGEPAGE = 14
 
 
 def advise_huge_pages(t: Tensor) -> bool:
-    """Asks Linux to back the whole 2 MiB pages inside ``t``'s storage with transparent huge pages
-    (``madvise(MADV_HUGEPAGE)``), before they are first touched.
+    """Asks Linux to back the whole 2 MiB pages inside ``t``'s storage (all of it, for a view)
+    with transparent huge pages (``madvise(MADV_HUGEPAGE)``), best before they are first touched.
 
     Decoding streams the whole KV cache once per step; with 4 KiB pages every 16 tokens of a
     ``D = 64`` fp32 row cross a page, and the TLB misses cost ~15 % of ``verify_attention`` at 8K
-    tokens (measured on one AMD EPYC core with huge pages off by default, "madvise" mode). A no-op
-    (returns False) on other platforms, on non-CPU tensors, for tensors smaller than one huge page,
-    or when the kernel refuses the advice (built without huge-page support); with huge pages set
-    to "never" the advice is accepted and has no effect. The tensor's values are never changed.
+    tokens (one AMD EPYC core, huge pages in "madvise" mode). A no-op (returns False) on other
+    platforms, for non-CPU or non-strided (sparse) tensors, for storages smaller than one huge
+    page, or when the kernel refuses the advice (built without huge-page support); with huge
+    pages set to "never" the advice is accepted and has no effect. Values are never changed.
 
     Args:
         t: any tensor (a KV buffer: ``[B, H_kv, S_max, D]``).
 
     Returns:
         True when the advice was given to at least one whole 2 MiB page."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+    if t.device.type != "cpu" or t.layout != torch.strided or not sys.platform.startswith("linux"):
         return False
-    addr = t.data_ptr()
+    storage = t.untyped_storage()  # the memory itself: an expanded view's numel overstates it
+    addr = storage.data_ptr()
     start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
-    end = (addr + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    end = (addr + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
     if end <= start:
         return False
     try:
