@@ -7,8 +7,8 @@ the embedded SmolLM2 GGUF (converted once, then cached) and the embedded documen
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time

@@ -19,7 +19,8 @@
 // Online softmax (FlashAttention, Dao et al. 2022) in fp32, vertical over the rows: the
 // running max, sum, and the per-block probability sums (verification's block scores)
 // are all row vectors. With AVX-512 and few rows (R <= 8, R * D <= 384: plain decoding and
-// drafting, R = the GQA group) the tile runs with tokens in lanes instead (see qk_few). bf16 / fp16 caches are converted to fp32 one tile at a time.
+// drafting, R = the GQA group) the tile runs with tokens in lanes instead (see qk_few).
+// bf16 / fp16 caches are converted to fp32 one tile at a time.
 // Tokens are visited in ascending order wherever causality can mask them, so each row's
 // visible tokens are a prefix of the tile.
 #ifndef VEGAS_ISA
@@ -226,6 +227,25 @@ static inline void pv_tail(int mr, const float* p, int Rp, int r0, const float* 
   }
 }
 
+// One tile's tokens through the task's block sums (per-block sums relative to this tile's max).
+// The task starts on a block boundary; a block begun in an earlier tile is rescaled first:
+// rescale(bsum) once when the tile starts inside a block, then put(bsum, j, first) for every
+// token j < nt of the tile, bsum at its block's R floats, first = j starts that block.
+template <typename Rescale, typename Put>
+static inline void walk_block_sums(const BlockSums& blk, int R, const int64_t* tok, int nt, Rescale rescale, Put put) {
+  const int64_t bs = blk.block_size;
+  int64_t off = tok[0] % bs;
+  float* bsum = blk.bsum + (tok[0] / bs - blk.block0) * R;
+  if (off != 0) rescale(bsum);
+  for (int j = 0; j < nt; ++j) {
+    put(bsum, j, off == 0);
+    if (++off == bs) {
+      off = 0;
+      bsum += R;
+    }
+  }
+}
+
 #if defined(__clang__)
 #define VEGAS_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -348,25 +368,6 @@ static inline void softmax_few(int R, const int* nvis, float* s, float* m, float
   }
 }
 
-// The block sums of one tile from row-major P (see attend): R floats per block.
-static inline void block_sums_few(int R, const float* p, int nt, const int64_t* tok, const float* alpha,
-                                  const BlockSums& blk) {
-  const int64_t bs = blk.block_size;
-  int64_t off = tok[0] % bs;
-  float* bsum = blk.bsum + (tok[0] / bs - blk.block0) * R;
-  if (off != 0)
-    for (int r = 0; r < R; ++r) bsum[r] *= alpha[r];
-  for (int j = 0; j < nt; ++j) {
-    if (off == 0)
-      for (int r = 0; r < R; ++r) bsum[r] = p[r * kTile + j];
-    else
-      for (int r = 0; r < R; ++r) bsum[r] += p[r * kTile + j];
-    if (++off == bs) {
-      off = 0;
-      bsum += R;
-    }
-  }
-}
 #else
 constexpr int kFewRows = 0;
 constexpr int kFewRowsDims = 0;
@@ -463,7 +464,15 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
 #if VEGAS_VW == 16 && VEGAS_NREGS >= 32
     if (few) {
       softmax_few(R, nvis, ws.s, m, l, ws.alpha, blk ? blk->mt + tile * Rp : nullptr);
-      if (blk) block_sums_few(R, ws.s, nt, tok, ws.alpha, *blk);
+      if (blk)  // row-major P: R scalars per block
+        walk_block_sums(
+            *blk, R, tok, nt, [&](float* b) { for (int r = 0; r < R; ++r) b[r] *= ws.alpha[r]; },
+            [&](float* b, int j, bool first) {
+              if (first)
+                for (int r = 0; r < R; ++r) b[r] = ws.s[r * kTile + j];
+              else
+                for (int r = 0; r < R; ++r) b[r] += ws.s[r * kTile + j];
+            });
       int r = 0;
       for (; r + kPvMR <= R; r += kPvMR)
         pv_rows<kPvMR, true>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
@@ -507,27 +516,19 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       st(m + rv * VW, m_new);
       if (blk) st(blk->mt + tile * Rp + rv * VW, m_new);
     }
-    if (blk) {
-      // per-block sums, relative to this tile's max; a block begun in an earlier tile is
-      // rescaled first. The task starts on a block boundary.
-      const int64_t bs = blk->block_size;
-      int64_t off = tok[0] % bs;
-      float* bsum = blk->bsum + (tok[0] / bs - blk->block0) * R;
-      if (off != 0)
-        for (int rv = 0; rv < NVall; ++rv)
-          st(bsum + rv * VW, ld(bsum + rv * VW) * ld(ws.alpha + rv * VW));
-      for (int j = 0; j < nt; ++j) {
-        const float* p = ws.s + j * Rp;
-        if (off == 0)
-          for (int rv = 0; rv < NVall; ++rv) st(bsum + rv * VW, ld(p + rv * VW));
-        else
-          for (int rv = 0; rv < NVall; ++rv) st(bsum + rv * VW, ld(bsum + rv * VW) + ld(p + rv * VW));
-        if (++off == bs) {
-          off = 0;
-          bsum += R;
-        }
-      }
-    }
+    if (blk)  // token-major P: whole row vectors per block (Rp - R lanes spill into the next)
+      walk_block_sums(
+          *blk, R, tok, nt,
+          [&](float* b) {
+            for (int rv = 0; rv < NVall; ++rv) st(b + rv * VW, ld(b + rv * VW) * ld(ws.alpha + rv * VW));
+          },
+          [&](float* b, int j, bool first) {
+            const float* p = ws.s + j * Rp;
+            if (first)
+              for (int rv = 0; rv < NVall; ++rv) st(b + rv * VW, ld(p + rv * VW));
+            else
+              for (int rv = 0; rv < NVall; ++rv) st(b + rv * VW, ld(b + rv * VW) + ld(p + rv * VW));
+          });
     // acc = alpha * acc + P V, kPvMR rows at a time over the longest visible prefix of the block
     int r = 0;
     for (; r + kPvMR <= R; r += kPvMR)
