@@ -365,3 +365,20 @@ def test_cli_bad_gamma(value, tiny_model_dir, capsys):  # noqa: F811
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "hi",
                             "--max-speculative-tokens", "0"], capsys)
     assert rc not in (0, None) and "max-speculative-tokens" in err
+
+
+def test_auto_verify_cost_is_at_least_one_plain_step():
+    """A fit through noisy passes can price a speculative verification below a plain step (seen:
+    c0 84 ms, c1 0 against a 93.6 ms plain step); the verification part of an iteration's cost
+    is floored at one plain step, so a draft is never predicted to come for free."""
+    p = AutoGamma(8)
+    tp = 0.1
+    _feed_one(p, 0, 0.0, tp)
+    for q, t in ((2, 0.86), (3, 0.84)):  # timed below the plain step, flat: c0 ~0.85, c1 0
+        for _ in range(2):
+            _feed_one(p, q - 1, 0.01 * (q - 1), tp * t, 0.001)
+    c0, c1 = p.verify_fit()
+    assert c0 / tp + c1 / tp * 5 < 0.9  # the fit itself says q = 5 costs less than a plain step
+    for g in (1, 2, 4, 6):  # timed (own median) and untimed (the line) q alike; drafts 0.1, select 0.01
+        assert p.relative_cost(g) == pytest.approx(1.0 + g * 0.1 + 0.01)
+        assert p.relative_cost(g, optimistic=True) == pytest.approx(1.0 + g * 0.1 + 0.01)

@@ -85,8 +85,12 @@ def test_wrapper_uses_kernel_on_cpu():
 # are blocked 6 at a time in P.V, head_dim in 16-float chunks (64 at a time with AVX-512),
 # tokens in tiles of 64, several row vectors per score block (more than one block's worth
 # at R = 128); with AVX-512, R <= 8 rows with R * D <= 384 take the tokens-in-lanes path (qk_few: 16 tokens per
-# score vector, head_dim tails by masked loads, row-wise softmax).
+# score vector, head_dim tails by masked loads, row-wise softmax); with AVX2, R <= 4 rows (8 tokens
+# per score vector), and the rows-in-lanes P V accumulates transposed, 12 / NV head_dim elements x
+# NV <= 3 row vectors at a time, the head_dim remainder one element at a time.
 EDGE_SHAPES = [
+    (2, 1, 4, 1, 36, 150, 1),     # R = 4, D 36: AVX2's largest tokens-in-lanes R, a head_dim tail of 4
+    (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: P V blocks of 12 + 6 single
     (3, 2, 8, 2, 40, 77, 1),      # R = 8, the most rows of the tokens-in-lanes path; D 40 = 32 + 8
     (2, 3, 9, 3, 64, 100, 1),     # R = 9, the fewest rows of the rows-in-lanes path
     (2, 1, 6, 2, 128, 300, 1),    # R = 3, D 128: the tokens-in-lanes path's largest R * D (384)
@@ -196,8 +200,29 @@ def test_narrower_isa_paths_match_reference(isa):
     import sys
     from pathlib import Path
 
-    shapes = EDGE_SHAPES[:4] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1)]
+    shapes = EDGE_SHAPES[:6] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1), (1, 9, 9, 3, 38, 170, 1)]
     code = ISA_SCRIPT.format(tests=str(Path(__file__).parent), shapes=shapes)
     env = dict(os.environ, VEGAS_CPU_ISA=isa)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bs", [1, 5, 16])
+@pytest.mark.parametrize("shape", [(1, 3, 9, 3), (1, 7, 3, 1), (1, 2, 2, 1)], ids=["R9", "R21", "R4"])
+def test_nonfinite_key_in_fully_visible_tiles_matches_reference(shape, bs):
+    """An infinite K element in a fully visible tile (where the rows-in-lanes loop skips the causal
+    mask, so its padded lanes hold 0 * inf = NaN). Scores of -inf: outputs, lse and every block
+    score equal the reference's, so no padded lane leaks into a real row or block. Scores of +inf
+    poison their rows (documented: l becomes NaN): outputs NaN where the reference's are."""
+    B, Q, Hq, Hkv = shape
+    D, S = 24, 300
+    for sign in (-1.0, 1.0):
+        q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32, seed=9)
+        q[..., 0] = sign * q[..., 0].abs()
+        k[0, 0, 100, 0] = float("inf")
+        lens = torch.tensor([S], dtype=torch.int32)
+        got = torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None)
+        want = reference.verify_attention(q, k, v, lens, bs, D ** -0.5)
+        for g, w in zip(got if sign < 0 else got[:1], want):
+            assert torch.isfinite(w).all() or sign > 0
+            torch.testing.assert_close(g, w, equal_nan=True, atol=1e-4, rtol=1e-4)

@@ -35,6 +35,9 @@
 #ifndef VEGAS_F16C
 #define VEGAS_F16C 0
 #endif
+#ifndef VEGAS_X86_VEC  // x86 intrinsics of this width may be used (8: AVX2+FMA, 16: AVX-512); 0: none
+#define VEGAS_X86_VEC 0
+#endif
 
 #include "cpu/attention_types.h"
 
@@ -69,9 +72,18 @@ static inline vf splat(float x) { return x - vf{}; }
 
 // Register blocking of the two micro-kernels (accumulators <= registers - 4).
 constexpr bool kWide = VEGAS_NREGS >= 32;
-constexpr int kQkMaxNV = kWide ? 3 : 2;  // row vectors per QK block
+// AVX2+FMA (16 registers, broadcasts from memory as costly as a vector load): QK blocks of 3 row
+// vectors x 4 tokens and the transposed P V (pv_t_block), 3 row vectors x 4 head_dim elements,
+// both 4 broadcasts per 12 FMAs. Measured on one AMD EPYC (Zen 3) core, 64 tokens x D 64 from L1:
+// QK 3x4 90 GFLOP/s against 84 for 2x6 then 1x8 (R = 21 rows), P V 3x4 transposed 76 against 67
+// for 6 rows x 2 vectors. The AVX-512 and baseline builds keep the blocks below (not measured
+// against these).
+constexpr bool kAvx2Blocks = VEGAS_X86_VEC == 8;
+constexpr int kQkMaxNV = (kWide || kAvx2Blocks) ? 3 : 2;  // row vectors per QK block
 constexpr int kPvMR = 6;                 // rows per PV block
 constexpr int kPvND = kWide ? 4 : 2;     // head_dim vectors per PV block
+constexpr bool kPvT = kAvx2Blocks;       // P V into the transposed accumulator (pv_t_block)
+constexpr int kPvtNV = 3;                // row vectors per transposed P V block
 
 // The next tile's K / V are prefetched into L2 (prefetcht1), not L1: the tile being computed
 // (its K and V, 16 KB each at D 64, the scores and the packed queries) already fills most of a
@@ -88,12 +100,25 @@ inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
 
 // exp(x) lane-wise (Cephes polynomial, rel. error ~2e-7); clamped to [-87, 88]; NaN stays
 // NaN. Callers zero masked (-inf) lanes separately.
+// On AVX / AVX-512 the clamps are single max / min instructions (with the constant first, a NaN
+// lane returns the NaN) and the floor one rounding instruction; the baseline build compares and
+// blends. Same values either way.
 static inline vf vexp(vf x) {
+#if VEGAS_X86_VEC == 16
+  x = (vf)_mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), (__m512)x));
+  const vf fx = x * 1.44269504088896341f + 0.5f;
+  const vf fl = (vf)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#elif VEGAS_X86_VEC == 8
+  x = (vf)_mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), (__m256)x));
+  const vf fx = x * 1.44269504088896341f + 0.5f;
+  const vf fl = (vf)_mm256_floor_ps((__m256)fx);
+#else
   x = x < splat(-87.f) ? splat(-87.f) : x;
   x = x > splat(88.f) ? splat(88.f) : x;
-  vf fx = x * 1.44269504088896341f + 0.5f;
+  const vf fx = x * 1.44269504088896341f + 0.5f;
   vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);  // trunc
   fl = fl > fx ? fl - 1.f : fl;                                         // floor
+#endif
   vf r = x - fl * 0.693359375f;
   r = r - fl * -2.12194440e-4f;
   vf y = splat(1.9875691500e-4f);
@@ -227,6 +252,46 @@ static inline void pv_tail(int mr, const float* p, int Rp, int r0, const float* 
   }
 }
 
+// The transposed P V: acct[d, r] = alpha[r] * acct[d, r] + sum_{t < ntok} P[t, r] * vrow[t][d]
+// for head_dim elements [d0, d0 + MT) and row vectors [rv0, rv0 + NV): rows in lanes, as the
+// token-major P of the rows-in-lanes softmax (P[t, r] = p[t * Rp + r]) and alpha come; V[t, d]
+// broadcast. acct: [D, Rp]. pf != 0: prefetch the V rows' counterparts pf floats ahead (each
+// 16-float line by the block it starts in).
+template <int NV, int MT>
+static inline void pv_t_block(const float* p, int Rp, int rv0, const float* const* vrow, int ntok,
+                              const float* alpha, int d0, int64_t pf, float* acct) {
+  vf a[MT][NV];
+  vf al[NV];
+  for (int n = 0; n < NV; ++n) al[n] = ld(alpha + (rv0 + n) * VW);
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NV; ++n) a[m][n] = ld(acct + (d0 + m) * Rp + (rv0 + n) * VW) * al[n];
+  const float* pt = p + rv0 * VW;
+  const int line = (d0 + 15) / 16 * 16 - d0;  // the cache line that starts in this block, if any
+  const bool fetch = pf && line < MT;
+  for (int t = 0; t < ntok; ++t, pt += Rp) {
+    const float* vr = vrow[t] + d0;
+    if (fetch) __builtin_prefetch(vr + pf + line, 0, kPrefetchLocality);
+    vf pv[NV];
+    for (int n = 0; n < NV; ++n) pv[n] = ld(pt + n * VW);
+    for (int m = 0; m < MT; ++m) {
+      const vf vb = splat(vr[m]);
+      for (int n = 0; n < NV; ++n) a[m][n] += vb * pv[n];
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NV; ++n) st(acct + (d0 + m) * Rp + (rv0 + n) * VW, a[m][n]);
+}
+
+// pv_t_block over all of head_dim: 12 / NV elements at a time, then the remainder one by one.
+template <int NV>
+static inline void pv_t_rows(const float* p, int Rp, int rv0, const float* const* vrow, int ntok,
+                             const float* alpha, int D, int64_t pf, float* acct) {
+  constexpr int MT = 12 / NV;
+  int d0 = 0;
+  for (; d0 + MT <= D; d0 += MT) pv_t_block<NV, MT>(p, Rp, rv0, vrow, ntok, alpha, d0, pf, acct);
+  for (; d0 < D; ++d0) pv_t_block<NV, 1>(p, Rp, rv0, vrow, ntok, alpha, d0, pf, acct);
+}
+
 // One tile's tokens through the task's block sums (per-block sums relative to this tile's max).
 // The task starts on a block boundary; a block begun in an earlier tile is rescaled first:
 // rescale(bsum) once when the tile starts inside a block, then put(bsum, j, first) for every
@@ -294,9 +359,14 @@ static inline vf hsum_many(const vf* a) {
 // first grid before the D limit): R = 3, D 64 1.13-1.85x faster (median ~1.2); R = 6, D 64
 // 0.77-1.34x (median ~1.05); R = 4, D 128 0.84-1.05x (median ~0.95: memory-bound either way,
 // though 1.4x faster from L2) and R = 8, D 128 0.84-0.88x, so these keep the rows-in-lanes loop.
-#if VEGAS_VW == 16 && VEGAS_NREGS >= 32
+#if VEGAS_X86_VEC >= 8
+#if VEGAS_X86_VEC == 16
 constexpr int kFewRows = 8;
 constexpr int kFewRowsDims = 384;  // most R * D
+#else
+constexpr int kFewRows = 4;        // 8 lanes: tokens in lanes pay off for fewer rows (see above)
+constexpr int kFewRowsDims = 512;
+#endif
 
 // s[r * kTile + t] = q_r . krow[t] for r < R, t < ntok (rounded up to 16; the lanes past ntok
 // repeat token ntok - 1). q: [R, D] fp32 row-major, scaled. pf != 0: prefetch the K rows'
@@ -304,7 +374,16 @@ constexpr int kFewRowsDims = 384;  // most R * D
 static inline void qk_few(const float* q, int R, int D, const float* const* krow, int ntok, int64_t pf,
                           float* s) {
   const int Dv = D / VW;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (D % VW)) - 1);
+  const bool tail = D % VW != 0;
+#if VEGAS_X86_VEC == 16
+  const __mmask16 tmask = static_cast<__mmask16>((1u << (D % VW)) - 1);
+  auto load_tail = [&](const float* p) { return (vf)_mm512_maskz_loadu_ps(tmask, p); };
+#else
+  vi tm;
+  for (int i = 0; i < VW; ++i) tm[i] = i < D % VW ? -1 : 0;
+  const __m256i tmask = (__m256i)tm;
+  auto load_tail = [&](const float* p) { return (vf)_mm256_maskload_ps(p, tmask); };  // no fault past D
+#endif
   for (int t0 = 0; t0 < ntok; t0 += VW) {
     const float* kr[VW];
     for (int i = 0; i < VW; ++i) kr[i] = krow[std::min(t0 + i, ntok - 1)];
@@ -320,8 +399,8 @@ static inline void qk_few(const float* q, int R, int D, const float* const* krow
         for (int i = 0; i < VW; ++i) a[i] += qv * ld(kr[i] + e * VW);
       }
       if (tail) {
-        const vf qv = (vf)_mm512_maskz_loadu_ps(tail, qr + Dv * VW);
-        for (int i = 0; i < VW; ++i) a[i] += qv * (vf)_mm512_maskz_loadu_ps(tail, kr[i] + Dv * VW);
+        const vf qv = load_tail(qr + Dv * VW);
+        for (int i = 0; i < VW; ++i) a[i] += qv * load_tail(kr[i] + Dv * VW);
       }
       st(s + r * kTile + t0, hsum_many(a));
     }
@@ -396,6 +475,10 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const int Rp = row_pad(R);
   const int NVall = Rp / VW;
   const bool few = R <= kFewRows && R * D <= kFewRowsDims;  // tokens in lanes (see qk_few)
+  const bool pvt = kPvT && !few;  // the output accumulates transposed in ws.acct (pv_t_block)
+  if (pvt)
+    for (int d = 0; d < D; ++d)
+      for (int r = 0; r < Rp; ++r) ws.acct[d * Rp + r] = r < R ? acc[r * D + d] : 0.f;
   int* nvis = ws.nv;
   const float* krow[kTile];
   const float* vrow[kTile];
@@ -447,7 +530,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
           vrow[j] = vd;
         }
       }
-#if VEGAS_VW == 16 && VEGAS_NREGS >= 32
+#if VEGAS_X86_VEC >= 8
       if (few) qk_few(rows.q, R, D, krow, ntmax, pf_k, ws.s);
 #endif
       for (int rv0 = 0; !few && rv0 < NVall;) {
@@ -461,7 +544,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
         rv0 += nv;
       }
     }
-#if VEGAS_VW == 16 && VEGAS_NREGS >= 32
+#if VEGAS_X86_VEC >= 8
     if (few) {
       softmax_few(R, nvis, ws.s, m, l, ws.alpha, blk ? blk->mt + tile * Rp : nullptr);
       if (blk)  // row-major P: R scalars per block
@@ -480,17 +563,23 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       continue;
     }
 #endif
-    // causal mask (and the padded lanes, whose limit is -1), then tokens no row sees
-    for (int j = 0; j < ntmax; ++j) {
-      const vi tj = vi{} + static_cast<int32_t>(tok[j]);
-      for (int rv = 0; rv < NVall; ++rv) {
-        const vi pv = *reinterpret_cast<const viu*>(rows.pos32 + rv * VW);
-        float* s = ws.s + j * Rp + rv * VW;
-        st(s, tj > pv ? splat(kNegInf) : ld(s));
+    // causal mask (and the padded lanes, whose limit is -1), then tokens no row sees. Skipped
+    // where every row sees the whole tile (all tiles but the causal edge): the padded lanes then
+    // hold the scores of zero queries, and nothing reads their state (their block-sum lanes are
+    // overwritten by the next block's first token or lie past the last block; block_reduce and
+    // the finish read rows < R only).
+    if (nvis[0] < nt) {
+      for (int j = 0; j < ntmax; ++j) {
+        const vi tj = vi{} + static_cast<int32_t>(tok[j]);
+        for (int rv = 0; rv < NVall; ++rv) {
+          const vi pv = *reinterpret_cast<const viu*>(rows.pos32 + rv * VW);
+          float* s = ws.s + j * Rp + rv * VW;
+          st(s, tj > pv ? splat(kNegInf) : ld(s));
+        }
       }
+      for (int j = ntmax; j < nt; ++j)
+        for (int rv = 0; rv < NVall; ++rv) st(ws.s + j * Rp + rv * VW, splat(kNegInf));
     }
-    for (int j = ntmax; j < nt; ++j)
-      for (int rv = 0; rv < NVall; ++rv) st(ws.s + j * Rp + rv * VW, splat(kNegInf));
     // online softmax, vertical over the rows: p overwrites s
     for (int rv = 0; rv < NVall; ++rv) {
       vf mx = splat(kNegInf);
@@ -530,11 +619,28 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
               for (int rv = 0; rv < NVall; ++rv) st(b + rv * VW, ld(b + rv * VW) + ld(p + rv * VW));
           });
     // acc = alpha * acc + P V, kPvMR rows at a time over the longest visible prefix of the block
+    if (pvt) {  // all rows at once over the longest visible prefix (P is 0 past a row's own)
+      for (int rv0 = 0; rv0 < NVall;) {
+        const int nv = std::min(kPvtNV, NVall - rv0);
+        const int64_t pf = rv0 == 0 ? pf_v : 0;
+        if (nv == 3)
+          pv_t_rows<3>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, pf, ws.acct);
+        else if (nv == 2)
+          pv_t_rows<2>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, pf, ws.acct);
+        else
+          pv_t_rows<1>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, pf, ws.acct);
+        rv0 += nv;
+      }
+      continue;
+    }
     int r = 0;
     for (; r + kPvMR <= R; r += kPvMR)
       pv_rows<kPvMR>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
     if (r < R) pv_tail(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, r == 0 ? pf_v : 0, acc);
   }
+  if (pvt)
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; ++d) acc[r * D + d] = ws.acct[d * Rp + r];
 }
 
 // Block scores of one task's blocks: out[j] = sum_{r < R} f[r] * bsum[j * R + r] for

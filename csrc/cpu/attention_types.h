@@ -32,8 +32,11 @@ struct Scratch {
   float* s;      // [kTile + 8, Rp]  scores, then probabilities (token-major)
   float* alpha;  // [Rp]  rescale factor of each row in the current tile
   int* nv;       // [R]   visible tokens of each row in the current tile
+  float* acct;   // [D, Rp]  the output accumulator transposed (rows in lanes), where the ISA's
+                 // P V micro-kernel keeps it so (see pv_t_block)
   static size_t floats(int R, int D) {
-    return size_t(2) * D * kTile + size_t(kTile + 8) * row_pad_max(R) + row_pad_max(R);
+    return size_t(2) * D * kTile + size_t(kTile + 8) * row_pad_max(R) + row_pad_max(R) +
+           size_t(D) * row_pad_max(R);
   }
 };
 
@@ -64,7 +67,8 @@ struct TaskBuffers {
   Rows rows() const { return Rows{R, D, qt.data(), pos.data(), qf.data()}; }
   Scratch ws() {
     float* sc = scratch.data();
-    return Scratch{sc, sc + D * kTile, sc + 2 * D * kTile, sc + 2 * D * kTile + (kTile + 8) * Rp, nv.data()};
+    float* alpha = sc + 2 * D * kTile + (kTile + 8) * Rp;
+    return Scratch{sc, sc + D * kTile, sc + 2 * D * kTile, alpha, nv.data(), alpha + Rp};
   }
 };
 

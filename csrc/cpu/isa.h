@@ -21,11 +21,13 @@
 #define VEGAS_VW 8
 #define VEGAS_NREGS 16
 #define VEGAS_F16C 0
+#define VEGAS_X86_VEC 0
 #include "cpu/attention_tile.h"
 #undef VEGAS_ISA
 #undef VEGAS_VW
 #undef VEGAS_NREGS
 #undef VEGAS_F16C
+#undef VEGAS_X86_VEC
 
 #ifdef VEGAS_HAVE_X86_PATHS
 #pragma GCC push_options
@@ -34,11 +36,13 @@
 #define VEGAS_VW 8
 #define VEGAS_NREGS 16
 #define VEGAS_F16C 8
+#define VEGAS_X86_VEC 8
 #include "cpu/attention_tile.h"
 #undef VEGAS_ISA
 #undef VEGAS_VW
 #undef VEGAS_NREGS
 #undef VEGAS_F16C
+#undef VEGAS_X86_VEC
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -47,11 +51,13 @@
 #define VEGAS_VW 16
 #define VEGAS_NREGS 32
 #define VEGAS_F16C 16
+#define VEGAS_X86_VEC 16
 #include "cpu/attention_tile.h"
 #undef VEGAS_ISA
 #undef VEGAS_VW
 #undef VEGAS_NREGS
 #undef VEGAS_F16C
+#undef VEGAS_X86_VEC
 #pragma GCC pop_options
 #endif
 
