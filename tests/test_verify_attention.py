@@ -90,7 +90,9 @@ def test_wrapper_uses_kernel_on_cpu():
 # NV <= 3 row vectors at a time, the head_dim remainder one element at a time.
 EDGE_SHAPES = [
     (2, 1, 4, 1, 36, 150, 1),     # R = 4, D 36: AVX2's largest tokens-in-lanes R, a head_dim tail of 4
-    (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: P V blocks of 12 + 6 single
+    (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: not a multiple of 4 or 8
+    (2, 7, 9, 3, 64, 333, 1),     # R = 21 of 24 lanes: AVX2's transposed P V (SmolLM2 verifying 6 drafts)
+    (1, 5, 9, 1, 38, 150, 4),     # R = 45 of 48: two transposed P V blocks, D 38 = 9 x 4 + 2 single
     (3, 2, 8, 2, 40, 77, 1),      # R = 8, the most rows of the tokens-in-lanes path; D 40 = 32 + 8
     (2, 3, 9, 3, 64, 100, 1),     # R = 9, the fewest rows of the rows-in-lanes path
     (2, 1, 6, 2, 128, 300, 1),    # R = 3, D 128: the tokens-in-lanes path's largest R * D (384)
@@ -200,7 +202,7 @@ def test_narrower_isa_paths_match_reference(isa):
     import sys
     from pathlib import Path
 
-    shapes = EDGE_SHAPES[:6] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1), (1, 9, 9, 3, 38, 170, 1)]
+    shapes = EDGE_SHAPES[:8] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1), (1, 9, 9, 3, 38, 170, 1)]
     code = ISA_SCRIPT.format(tests=str(Path(__file__).parent), shapes=shapes)
     env = dict(os.environ, VEGAS_CPU_ISA=isa)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -15,11 +15,13 @@
 //       registers (a GEMM micro-kernel with the cache row-major as it is: no packing of
 //       K for fp32 caches).
 //   PV: acc[r, d] = alpha[r] * acc[r, d] + sum_t P^T[t, r] * V[t, d]   -- MR rows x ND
-//       head_dim vectors in registers, P broadcast, V rows read as vectors.
+//       head_dim vectors in registers, P broadcast, V rows read as vectors; with AVX2 the
+//       transposed form acc^T[d, r] += V[t, d] * P^T[t, r] instead (pv_t_block: V broadcast,
+//       P rows read as vectors, the accumulator kept [D, Rp] for the task).
 // Online softmax (FlashAttention, Dao et al. 2022) in fp32, vertical over the rows: the
 // running max, sum, and the per-block probability sums (verification's block scores)
-// are all row vectors. With AVX-512 and few rows (R <= 8, R * D <= 384: plain decoding and
-// drafting, R = the GQA group) the tile runs with tokens in lanes instead (see qk_few).
+// are all row vectors. With few rows (plain decoding and drafting, R = the GQA group; AVX-512:
+// R <= 8, R * D <= 384; AVX2: R <= 4) the tile runs with tokens in lanes instead (see qk_few).
 // bf16 / fp16 caches are converted to fp32 one tile at a time.
 // Tokens are visited in ascending order wherever causality can mask them, so each row's
 // visible tokens are a prefix of the tile.
@@ -83,7 +85,10 @@ constexpr int kQkMaxNV = (kWide || kAvx2Blocks) ? 3 : 2;  // row vectors per QK 
 constexpr int kPvMR = 6;                 // rows per PV block
 constexpr int kPvND = kWide ? 4 : 2;     // head_dim vectors per PV block
 constexpr bool kPvT = kAvx2Blocks;       // P V into the transposed accumulator (pv_t_block)
-constexpr int kPvtNV = 3;                // row vectors per transposed P V block
+
+// Row vectors of the next QK / transposed-P V block, `rem` of them left: at most kQkMaxNV; with
+// the AVX2 blocks 4 left go as 2 + 2, not 3 + 1 (one row vector takes a broadcast per FMA).
+inline int row_block(int rem) { return kAvx2Blocks && rem == 4 ? 2 : std::min(kQkMaxNV, rem); }
 
 // The next tile's K / V are prefetched into L2 (prefetcht1), not L1: the tile being computed
 // (its K and V, 16 KB each at D 64, the scores and the packed queries) already fills most of a
@@ -346,7 +351,7 @@ static inline vf hsum_many(const vf* a) {
 #endif
 }
 
-// ---- few rows (R <= kFewRows, AVX-512 only): tokens in lanes ------------------------------
+// ---- few rows (R <= kFewRows, AVX-512 and AVX2): tokens in lanes ----------------------------
 // With few rows (plain decoding and drafting: R = the GQA group, e.g. 3 or 4) most lanes of the
 // rows-in-lanes layout would be padding (R = 3 of 16 lanes), and the QK loop would spend a
 // vector FMA per head_dim element and token. Here each row is dotted with 16 K rows at a time
@@ -359,6 +364,9 @@ static inline vf hsum_many(const vf* a) {
 // first grid before the D limit): R = 3, D 64 1.13-1.85x faster (median ~1.2); R = 6, D 64
 // 0.77-1.34x (median ~1.05); R = 4, D 128 0.84-1.05x (median ~0.95: memory-bound either way,
 // though 1.4x faster from L2) and R = 8, D 128 0.84-0.88x, so these keep the rows-in-lanes loop.
+// AVX2 (8 lanes, 8 tokens per score vector) takes it for R <= 4: per 8 tokens and row D + ~14
+// vector ops against D per 8 tokens for all rows in lanes, so it pays below ~6 rows; measured on
+// one AMD EPYC (Zen 3) core, R = 3, D 64: 1.45x faster from L2, 1.3x at 8K from DRAM.
 #if VEGAS_X86_VEC >= 8
 #if VEGAS_X86_VEC == 16
 constexpr int kFewRows = 8;
@@ -475,7 +483,12 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const int Rp = row_pad(R);
   const int NVall = Rp / VW;
   const bool few = R <= kFewRows && R * D <= kFewRowsDims;  // tokens in lanes (see qk_few)
-  const bool pvt = kPvT && !few;  // the output accumulates transposed in ws.acct (pv_t_block)
+  // The output accumulates transposed in ws.acct (pv_t_block) where that pays: it computes all
+  // Rp lanes (pv_rows computes the R rows) and takes a broadcast per NV FMAs (pv_rows one per 2),
+  // so only in blocks of 3 row vectors with at most 1/5 of the lanes padding (R = 21 of 24:
+  // SmolLM2's 7 queries x 3 heads). Measured on one Zen 3 core, D 64 from L2: 1.1x faster at
+  // R = 21; R = 9 (16 lanes, blocks of 2) ran 1.2-1.5x slower transposed.
+  const bool pvt = kPvT && !few && NVall % 3 == 0 && 5 * R >= 4 * Rp;
   if (pvt)
     for (int d = 0; d < D; ++d)
       for (int r = 0; r < Rp; ++r) ws.acct[d * Rp + r] = r < R ? acc[r * D + d] : 0.f;
@@ -534,7 +547,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       if (few) qk_few(rows.q, R, D, krow, ntmax, pf_k, ws.s);
 #endif
       for (int rv0 = 0; !few && rv0 < NVall;) {
-        const int nv = std::min(kQkMaxNV, NVall - rv0);
+        const int nv = row_block(NVall - rv0);
         if (nv == 3)
           qk_rows<3>(rows.qt, Rp, rv0, krow, ntmax, D, rv0 == 0 ? pf_k : 0, ws.s);
         else if (nv == 2)
@@ -620,17 +633,8 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
           });
     // acc = alpha * acc + P V, kPvMR rows at a time over the longest visible prefix of the block
     if (pvt) {  // all rows at once over the longest visible prefix (P is 0 past a row's own)
-      for (int rv0 = 0; rv0 < NVall;) {
-        const int nv = std::min(kPvtNV, NVall - rv0);
-        const int64_t pf = rv0 == 0 ? pf_v : 0;
-        if (nv == 3)
-          pv_t_rows<3>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, pf, ws.acct);
-        else if (nv == 2)
-          pv_t_rows<2>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, pf, ws.acct);
-        else
-          pv_t_rows<1>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, pf, ws.acct);
-        rv0 += nv;
-      }
+      for (int rv0 = 0; rv0 < NVall; rv0 += 3)
+        pv_t_rows<3>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, rv0 == 0 ? pf_v : 0, ws.acct);
       continue;
     }
     int r = 0;
