@@ -172,6 +172,41 @@ def test_finish_in_task_and_second_pass_agree_with_reference(threads):
     finally:
         torch.set_num_threads(n)
 
+INF_V_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from op_utils import make_inputs
+from vegas_ext import reference
+q, k, v, lens = make_inputs(1, 7, 3, 1, 64, 70, torch.float32, seed=2)
+lens[:] = 70
+v[0, 0, 69, 0] = float("inf")  # the last token: only the last query sees it
+got = torch.ops.vegas.verify_attention(q, k, v, lens, 16, 0.125, None)
+want = reference.verify_attention(q, k, v, lens, 16, 0.125)
+for g, w in zip(got, want):
+    torch.testing.assert_close(g, w, equal_nan=True, atol=1e-4, rtol=1e-4)
+assert torch.isnan(got[0][0, :6, :, 0]).all() and torch.isfinite(got[1]).all()
+print("ok")
+"""
+
+
+def test_avx2_transposed_pv_matches_reference_on_a_nonfinite_value():
+    """AVX2's transposed P V runs every row of a tile over the longest visible prefix (rows that
+    do not see a token have P = 0 there), as the reference's P @ V does: an inf in V at a token
+    only the last query sees makes the earlier queries' outputs NaN in that head_dim column
+    (0 * inf), as in the reference; lse and block scores stay finite."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("needs an AVX2 processor")
+    code = INF_V_SCRIPT.format(tests=str(Path(__file__).parent))
+    env = dict(os.environ, VEGAS_CPU_ISA="avx2")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
 ISA_SCRIPT = r"""
 import math, sys, torch
 sys.path.insert(0, {tests!r})

@@ -632,7 +632,9 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
               for (int rv = 0; rv < NVall; ++rv) st(b + rv * VW, ld(b + rv * VW) + ld(p + rv * VW));
           });
     // acc = alpha * acc + P V, kPvMR rows at a time over the longest visible prefix of the block
-    if (pvt) {  // all rows at once over the longest visible prefix (P is 0 past a row's own)
+    if (pvt) {  // all rows at once over the longest visible prefix (P is 0 past a row's own;
+                // an inf or NaN in V there reaches the rows that do not see it as 0 * inf = NaN,
+                // as in the reference's P @ V)
       for (int rv0 = 0; rv0 < NVall; rv0 += 3)
         pv_t_rows<3>(ws.s, Rp, rv0, vrow, ntmax, ws.alpha, D, rv0 == 0 ? pf_v : 0, ws.acct);
       continue;
