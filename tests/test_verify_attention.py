@@ -86,8 +86,8 @@ def test_wrapper_uses_kernel_on_cpu():
 # tokens in tiles of 64, several row vectors per score block (more than one block's worth
 # at R = 128); with AVX-512, R <= 8 rows with R * D <= 384 take the tokens-in-lanes path (qk_few: 16 tokens per
 # score vector, head_dim tails by masked loads, row-wise softmax); with AVX2, R <= 4 rows (8 tokens
-# per score vector), and the rows-in-lanes P V accumulates transposed, 12 / NV head_dim elements x
-# NV <= 3 row vectors at a time, the head_dim remainder one element at a time.
+# per score vector), and where R fills blocks of 3 row vectors (at most 1/5 padding) the P V
+# accumulates transposed, 3 row vectors x 4 head_dim elements at a time, the remainder one by one.
 EDGE_SHAPES = [
     (2, 1, 4, 1, 36, 150, 1),     # R = 4, D 36: AVX2's largest tokens-in-lanes R, a head_dim tail of 4
     (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: not a multiple of 4 or 8
@@ -194,16 +194,23 @@ def test_avx2_transposed_pv_matches_reference_on_a_nonfinite_value():
     do not see a token have P = 0 there), as the reference's P @ V does: an inf in V at a token
     only the last query sees makes the earlier queries' outputs NaN in that head_dim column
     (0 * inf), as in the reference; lse and block scores stay finite."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("needs an AVX2 processor")
+    _run_with_isa(INF_V_SCRIPT, "avx2")
+
+
+def _run_with_isa(script, isa, **fields):
+    """Runs ``script`` (formatted with ``tests`` = this folder and ``fields``) in a fresh process
+    with the main loop forced to ``isa`` by VEGAS_CPU_ISA (read once per process); it must print
+    "ok" last."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("needs an AVX2 processor")
-    code = INF_V_SCRIPT.format(tests=str(Path(__file__).parent))
-    env = dict(os.environ, VEGAS_CPU_ISA="avx2")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    code = script.format(tests=str(Path(__file__).parent), **fields)
+    env = dict(os.environ, VEGAS_CPU_ISA=isa)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
@@ -232,16 +239,8 @@ print("ok")
 def test_narrower_isa_paths_match_reference(isa):
     """The baseline and AVX2 builds of the main loop (the AVX-512 one runs everywhere else in
     these tests where the processor has it), forced by VEGAS_CPU_ISA in a fresh process."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     shapes = EDGE_SHAPES[:8] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1), (1, 9, 9, 3, 38, 170, 1)]
-    code = ISA_SCRIPT.format(tests=str(Path(__file__).parent), shapes=shapes)
-    env = dict(os.environ, VEGAS_CPU_ISA=isa)
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    _run_with_isa(ISA_SCRIPT, isa, shapes=shapes)
 
 
 @pytest.mark.parametrize("bs", [1, 5, 16])

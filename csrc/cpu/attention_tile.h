@@ -287,7 +287,8 @@ static inline void pv_t_block(const float* p, int Rp, int rv0, const float* cons
     for (int n = 0; n < NV; ++n) st(acct + (d0 + m) * Rp + (rv0 + n) * VW, a[m][n]);
 }
 
-// pv_t_block over all of head_dim: 12 / NV elements at a time, then the remainder one by one.
+// pv_t_block over all of head_dim: 12 / NV elements at a time (the loop uses NV = 3), then the
+// remainder one by one.
 template <int NV>
 static inline void pv_t_rows(const float* p, int Rp, int rv0, const float* const* vrow, int ntok,
                              const float* alpha, int D, int64_t pf, float* acct) {
