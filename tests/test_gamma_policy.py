@@ -53,14 +53,15 @@ def test_auto_speculates_when_drafts_are_cheap_and_accepted():
 
 
 def test_auto_decodes_plainly_when_speculation_loses_and_keeps_probing():
-    p = AutoGamma(8)
-    # a draft step costs a plain step, verifying costs grow fast, few drafts accepted
-    _warm(p, t_draft=0.1, c0=0.08, c1=0.03, acc=0)
+    p = AutoGamma(8, exploration=0.0)  # probes only (no draft on the upper bound)
+    # drafting is cheap (accepted drafts would pay), verifying costs grow fast, no draft accepted
+    _warm(p, t_draft=0.02, c0=0.08, c1=0.03, acc=0)
+    assert not p.hopeless(CAPS, 8)
     gs = []
     for _ in range(40):
         g = p.choose(CAPS, 8)
         gs.append(g)
-        _feed(p, g, 0.1, 0.08, 0.03, [g, g], [0, 0], 0.001)
+        _feed(p, g, 0.02, 0.08, 0.03, [g, g], [0, 0], 0.001)
     assert gs.count(0) >= 35
     probes = [i for i, g in enumerate(gs) if g > 0]
     assert p.num_probes == len(probes) >= 2
@@ -68,12 +69,41 @@ def test_auto_decodes_plainly_when_speculation_loses_and_keeps_probing():
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # back-off: probes get rarer
 
 
+def test_auto_does_not_probe_where_no_acceptance_could_pay():
+    """A draft step costs 0.9 of a plain step and verifying grows fast (batch 1 on a CPU: the
+    weights dominate every step): even with every draft accepted no gamma beats plain decoding,
+    so after the warm-up the policy runs no probe for ``hopeless_probe_interval`` plain
+    iterations, then one (the costs may have drifted) and again none for as long."""
+    p = AutoGamma(8)
+    _warm(p, t_draft=0.1, c0=0.08, c1=0.03, acc=2)  # every draft accepted: acceptance is not the reason
+    assert p.hopeless(CAPS, 8)
+    best = max(p.rate(g, CAPS, [1.0] * 8, optimistic=True) for g in range(1, 9)) / p.rate(0, CAPS)
+    assert 0.8 < best < 0.97
+    gs = []
+    for _ in range(2 * p.hopeless_probe_interval + 2):
+        g = p.choose(CAPS, 8)
+        gs.append(g)
+        _feed(p, g, 0.1, 0.08, 0.03, [g, g], [g, g], 0.001)
+    probes = [i for i, g in enumerate(gs) if g > 0]
+    n = p.hopeless_probe_interval
+    assert probes == [n - 1, 2 * n - 1] and p.num_probes == 2  # after n plain steps in a row, twice
+    # the same costs with the old spacing (a probe after every 4-16 plain steps) when told to
+    eager = AutoGamma(8, hopeless_probe_interval=0)
+    _warm(eager, t_draft=0.1, c0=0.08, c1=0.03, acc=2)
+    ge = []
+    for _ in range(40):
+        g = eager.choose(CAPS, 8)
+        ge.append(g)
+        _feed(eager, g, 0.1, 0.08, 0.03, [g, g], [g, g], 0.001)
+    assert eager.num_probes >= 2 and ge.count(0) >= 30
+
+
 def test_auto_switches_back_on_when_speculation_starts_to_pay():
     p = AutoGamma(8)
-    _warm(p, t_draft=0.1, c0=0.08, c1=0.03, acc=0)
+    _warm(p, t_draft=0.02, c0=0.08, c1=0.03, acc=0)
     for _ in range(10):
         g = p.choose(CAPS, 8)
-        _feed(p, g, 0.1, 0.08, 0.03, [g, g], [0, 0])
+        _feed(p, g, 0.02, 0.08, 0.03, [g, g], [0, 0])
     # the context grew: verification now dominated by attention, drafts accepted, drafting cheap
     gs = []
     for _ in range(60):
