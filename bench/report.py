@@ -178,7 +178,7 @@ def report_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]
     for (ctx, B, g, ratio), by_algo in cells.items():
         for a in algos:
             by_gamma[g][a] += by_algo.get(a, [])
-    for g in sorted(by_gamma):
+    for g in sorted(by_gamma, key=lambda x: (isinstance(x, str), str(x) if isinstance(x, str) else x)):
         lines.append(f"* γ = {g}, all cells pooled: MAL " + ", ".join(
             f"{a} {_f(pooled_mal(by_gamma[g][a]))}" for a in algos) + ".")
     for a in algos:
