@@ -88,6 +88,8 @@ def test_wrapper_uses_kernel_on_cpu():
 # score vector, head_dim tails by masked loads, row-wise softmax); with AVX2, R <= 4 rows (8 tokens
 # per score vector), and where R fills blocks of 3 row vectors (at most 1/5 padding) the P V
 # accumulates transposed, 3 row vectors x 4 head_dim elements at a time, the remainder one by one.
+# With AVX-512, an odd number of 8-row groups takes the QK on head_dim pairs (pair_qk: 8 rows x 2
+# elements per vector, groups blocked 3 or 2 + ... + 1, an odd D's last element in the even lanes).
 EDGE_SHAPES = [
     (2, 1, 4, 1, 36, 150, 1),     # R = 4, D 36: AVX2's largest tokens-in-lanes R, a head_dim tail of 4
     (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: not a multiple of 4 or 8
@@ -102,6 +104,9 @@ EDGE_SHAPES = [
     (2, 16, 8, 1, 64, 150, 7),    # R = 128: several score blocks of row vectors
     (3, 9, 9, 3, 40, 129, 1),     # R = 27, D 40, S one past two tiles
     (1, 1, 32, 8, 128, 4111, 1),  # Q = 1 (plain decode), splits across threads
+    (2, 7, 9, 3, 37, 200, 1),     # R = 21 (3 groups of 8) with an odd D: the pair QK's masked last element
+    (1, 5, 16, 2, 33, 150, 3),    # R = 40: 5 groups of 8 (pair blocks 2 + 2 + 1), D 33
+    (2, 1, 7, 1, 65, 140, 1),     # R = 7, D 65: above the tokens-in-lanes R * D; one group, 16 tokens a block
 ]
 
 
@@ -241,6 +246,23 @@ def test_narrower_isa_paths_match_reference(isa):
     these tests where the processor has it), forced by VEGAS_CPU_ISA in a fresh process."""
     shapes = EDGE_SHAPES[:8] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1), (1, 9, 9, 3, 38, 170, 1)]
     _run_with_isa(ISA_SCRIPT, isa, shapes=shapes)
+
+
+@pytest.mark.parametrize("d_inf", [0, 36])
+def test_nonfinite_key_at_an_odd_head_dims_last_element_matches_reference(d_inf):
+    """R = 21 with D 37 (AVX-512: the QK on head_dim pairs, the 37th element multiplied into the
+    even lanes only): an infinite K element there or at element 0 gives the reference's -inf
+    scores, not 0 * inf = NaN from an odd lane."""
+    D, S = 37, 200
+    q, k, v, _ = make_inputs(1, 7, 3, 1, D, S, torch.float32, seed=11)
+    q[..., d_inf] = -q[..., d_inf].abs()
+    k[0, 0, 50, d_inf] = float("inf")
+    lens = torch.tensor([S], dtype=torch.int32)
+    got = torch.ops.vegas.verify_attention(q, k, v, lens, 1, D ** -0.5, None)
+    want = reference.verify_attention(q, k, v, lens, 1, D ** -0.5)
+    for g, w in zip(got, want):
+        assert torch.isfinite(w).all()
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bs", [1, 5, 16])

@@ -103,6 +103,16 @@ constexpr int kPrefetchLocality = 2;
 // Padded row count: rows live in vector lanes.
 inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
 
+// AVX-512 QK with pairs of head_dim elements in lanes (qk_pair_block): lane 2i + p of group g holds
+// row 8g + i, head_dim element 2e + p, so one 16-lane FMA serves 8 rows x 2 elements and the rows
+// are padded to a multiple of 8, not 16. Taken where that saves a vector per 16 rows: an odd
+// number of 8-row groups (R = 21: 24 lanes instead of 32; SmolLM2 verifying 6 drafts, Llama-3 4
+// drafts at R = 20). The packed queries (pack_queries) then take ceil(D / 2) * 2 * row_pad8(R)
+// floats, at most the D * Rp of the plain layout while row_pad8(R) <= 8 D.
+constexpr bool kPairQk = VEGAS_X86_VEC == 16;
+inline int row_pad8(int R) { return (R + 7) / 8 * 8; }
+inline bool pair_qk(int R, int D) { return kPairQk && (R + 7) / 8 % 2 == 1 && row_pad8(R) <= 8 * D; }
+
 // exp(x) lane-wise (Cephes polynomial, rel. error ~2e-7); clamped to [-87, 88]; NaN stays
 // NaN. Callers zero masked (-inf) lanes separately.
 // On AVX / AVX-512 the clamps are single max / min instructions (with the constant first, a NaN
@@ -196,6 +206,67 @@ static inline void qk_rows(const float* qt, int Rp, int rv0, const float* const*
   constexpr int MT = kWide ? 8 : (NV == 1 ? 8 : (NV == 2 ? 6 : 4));
   for (int t0 = 0; t0 < ntok; t0 += MT) qk_block<NV, MT>(qt, Rp, rv0, krow, t0, ntok - 1, D, pf, s);
 }
+
+#if VEGAS_X86_VEC == 16
+// The pair layout's QK (see pair_qk): 8-row groups [g0, g0 + NG) x MT tokens from t0; qp[e * W +
+// g * 16 + 2 i + p] = scaled q of row 8 g + i at head_dim element 2 e + p (0 past R and D), W = 16 x
+// the groups; each K pair K[t, 2e..2e+1] broadcast as one 64-bit element. The even and odd lanes'
+// partial sums are added pairwise into rows-in-lanes score vectors, s[t * Rp + 8 g + i] for a
+// group pair (g0 + n, g0 + n + 1), n even (a missing second group gives zeros: padded rows).
+// Token rows past `last` reuse row `last`. An odd D's last element goes into the even lanes only
+// (masked), so an infinite K element there cannot meet the zero of an odd lane.
+template <int NG, int MT>
+static inline void qk_pair_block(const float* qp, int W, int g0, const float* const* krow, int t0, int last,
+                                 int D, int64_t pf, int Rp, float* s) {
+  const float* kr[MT];
+  for (int t = 0; t < MT; ++t) kr[t] = krow[std::min(t0 + t, last)];
+  vf a[MT][NG];
+  for (int t = 0; t < MT; ++t)
+    for (int n = 0; n < NG; ++n) a[t][n] = vf{};
+  const float* qe = qp + g0 * 16;
+  const int D2 = D / 2;
+  for (int e0 = 0; e0 < D2; e0 += 8) {  // 8 pairs: one 64-byte line of each K row
+    if (pf)
+      for (int t = 0; t < MT; ++t) __builtin_prefetch(kr[t] + pf + 2 * e0, 0, kPrefetchLocality);
+    const int e1 = std::min(D2, e0 + 8);
+    for (int e = e0; e < e1; ++e, qe += W) {
+      vf q[NG];
+      for (int n = 0; n < NG; ++n) q[n] = ld(qe + n * VW);
+      for (int t = 0; t < MT; ++t) {
+        double kp;
+        std::memcpy(&kp, kr[t] + 2 * e, sizeof kp);
+        const vf kb = (vf)_mm512_castpd_ps(_mm512_set1_pd(kp));
+        for (int n = 0; n < NG; ++n) a[t][n] += kb * q[n];
+      }
+    }
+  }
+  if (D & 1) {
+    vf q[NG];
+    for (int n = 0; n < NG; ++n) q[n] = ld(qe + n * VW);
+    for (int t = 0; t < MT; ++t) {
+      const __m512 kb = _mm512_set1_ps(kr[t][D - 1]);
+      for (int n = 0; n < NG; ++n)
+        a[t][n] = (vf)_mm512_mask3_fmadd_ps(kb, (__m512)q[n], (__m512)a[t][n], static_cast<__mmask16>(0x5555));
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int t = 0; t < MT; ++t)
+    for (int n = 0; n < NG; n += 2) {
+      const __m512 lo = (__m512)a[t][n];
+      const __m512 hi = n + 1 < NG ? (__m512)a[t][n + 1] : _mm512_setzero_ps();
+      const vf out = (vf)_mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi));
+      st(s + (t0 + t) * Rp + (g0 + n) * 8, out);
+    }
+}
+
+template <int NG>
+static inline void qk_pair_rows(const float* qp, int W, int g0, const float* const* krow, int ntok, int D,
+                                int64_t pf, int Rp, float* s) {
+  constexpr int MT = NG == 1 ? 16 : 8;
+  for (int t0 = 0; t0 < ntok; t0 += MT) qk_pair_block<NG, MT>(qp, W, g0, krow, t0, ntok - 1, D, pf, Rp, s);
+}
+#endif
 
 // acc rows [r0, r0 + MR), head_dim vectors [d0, d0 + ND * VW):
 //   acc = alpha * acc + sum_{t < ntok} P[t, r] * vrow[t][d],
@@ -462,8 +533,20 @@ constexpr int kFewRowsDims = 0;
 #endif
 
 // Packs the task's query rows for the QK micro-kernel: qt[d * Rp + r] = scale * q_r[d]
-// (zero in padded lanes); q row r at q + r * D (fp32).
+// (zero in padded lanes), or, where pair_qk(R, D), the pair layout of qk_pair_block; q row r at
+// q + r * D (fp32).
 inline void pack_queries(const float* q, int R, int D, float* qt) {
+  if (pair_qk(R, D)) {  // qt[e * W + g * 16 + 2 i + p] = q_{8g+i}[2e + p], W = 16 x the 8-row groups
+    const int G8 = row_pad8(R) / 8, W = G8 * 16, D2 = (D + 1) / 2;
+    for (int e = 0; e < D2; ++e)
+      for (int g = 0; g < G8; ++g)
+        for (int i = 0; i < 8; ++i)
+          for (int p = 0; p < 2; ++p) {
+            const int r = 8 * g + i, d = 2 * e + p;
+            qt[e * W + g * 16 + 2 * i + p] = r < R && d < D ? q[r * D + d] : 0.f;
+          }
+    return;
+  }
   const int Rp = row_pad(R);
   for (int d = 0; d < D; ++d)
     for (int r = 0; r < Rp; ++r) qt[d * Rp + r] = r < R ? q[r * D + d] : 0.f;
@@ -484,6 +567,7 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const int Rp = row_pad(R);
   const int NVall = Rp / VW;
   const bool few = R <= kFewRows && R * D <= kFewRowsDims;  // tokens in lanes (see qk_few)
+  const bool pair = !few && pair_qk(R, D);                  // QK on head_dim pairs (see pair_qk)
   // The output accumulates transposed in ws.acct (pv_t_block) where that pays: it computes all
   // Rp lanes (pv_rows computes the R rows) and takes a broadcast per NV FMAs (pv_rows one per 2),
   // so only in blocks of 3 row vectors with at most 1/5 of the lanes padding (R = 21 of 24:
@@ -547,7 +631,19 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
 #if VEGAS_X86_VEC >= 8
       if (few) qk_few(rows.q, R, D, krow, ntmax, pf_k, ws.s);
 #endif
-      for (int rv0 = 0; !few && rv0 < NVall;) {
+#if VEGAS_X86_VEC == 16
+      if (pair) {
+        const int G8 = row_pad8(R) / 8, W = G8 * 16;
+        if (G8 == 3) {
+          qk_pair_rows<3>(rows.qt, W, 0, krow, ntmax, D, pf_k, Rp, ws.s);
+        } else {
+          int g = 0;
+          for (; g + 2 <= G8; g += 2) qk_pair_rows<2>(rows.qt, W, g, krow, ntmax, D, g == 0 ? pf_k : 0, Rp, ws.s);
+          if (g < G8) qk_pair_rows<1>(rows.qt, W, g, krow, ntmax, D, g == 0 ? pf_k : 0, Rp, ws.s);
+        }
+      }
+#endif
+      for (int rv0 = 0; !few && !pair && rv0 < NVall;) {
         const int nv = row_block(NVall - rv0);
         if (nv == 3)
           qk_rows<3>(rows.qt, Rp, rv0, krow, ntmax, D, rv0 == 0 ? pf_k : 0, ws.s);
