@@ -88,8 +88,8 @@ def test_wrapper_uses_kernel_on_cpu():
 # score vector, head_dim tails by masked loads, row-wise softmax); with AVX2, R <= 4 rows (8 tokens
 # per score vector), and where R fills blocks of 3 row vectors (at most 1/5 padding) the P V
 # accumulates transposed, 3 row vectors x 4 head_dim elements at a time, the remainder one by one.
-# With AVX-512, an odd number of 8-row groups takes the QK on head_dim pairs (pair_qk: 8 rows x 2
-# elements per vector, groups blocked 3 or 2 + ... + 1, an odd D's last element in the even lanes).
+# With AVX-512, 1 or 3 groups of 8 rows take the QK on head_dim pairs (pair_qk: 8 rows x 2 elements
+# per vector, an odd D's last element in the even lanes only); 5 groups keep rows in lanes.
 EDGE_SHAPES = [
     (2, 1, 4, 1, 36, 150, 1),     # R = 4, D 36: AVX2's largest tokens-in-lanes R, a head_dim tail of 4
     (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: not a multiple of 4 or 8
@@ -105,7 +105,8 @@ EDGE_SHAPES = [
     (3, 9, 9, 3, 40, 129, 1),     # R = 27, D 40, S one past two tiles
     (1, 1, 32, 8, 128, 4111, 1),  # Q = 1 (plain decode), splits across threads
     (2, 7, 9, 3, 37, 200, 1),     # R = 21 (3 groups of 8) with an odd D: the pair QK's masked last element
-    (1, 5, 16, 2, 33, 150, 3),    # R = 40: 5 groups of 8 (pair blocks 2 + 2 + 1), D 33
+    (1, 5, 16, 2, 33, 150, 3),    # R = 40: 5 groups of 8, rows in lanes; D 33
+    (2, 6, 3, 1, 65, 130, 2),     # R = 18 (3 groups, 6 padded rows), D 65: pair QK, odd D
     (2, 1, 7, 1, 65, 140, 1),     # R = 7, D 65: above the tokens-in-lanes R * D; one group, 16 tokens a block
 ]
 

@@ -105,13 +105,21 @@ inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
 
 // AVX-512 QK with pairs of head_dim elements in lanes (qk_pair_block): lane 2i + p of group g holds
 // row 8g + i, head_dim element 2e + p, so one 16-lane FMA serves 8 rows x 2 elements and the rows
-// are padded to a multiple of 8, not 16. Taken where that saves a vector per 16 rows: an odd
-// number of 8-row groups (R = 21: 24 lanes instead of 32; SmolLM2 verifying 6 drafts, Llama-3 4
-// drafts at R = 20). The packed queries (pack_queries) then take ceil(D / 2) * 2 * row_pad8(R)
-// floats, at most the D * Rp of the plain layout while row_pad8(R) <= 8 D.
+// are padded to a multiple of 8, not 16. Taken where that saves a vector per 16 rows and the
+// groups fit one register block: 1 or 3 groups of 8 rows (R = 17-24: 24 lanes instead of 32, e.g.
+// SmolLM2 verifying 6 drafts, Llama-3 verifying 4; R <= 8 outside the tokens-in-lanes path, e.g.
+// Llama-3 decoding). Measured on one Intel Xeon core (AVX-512), verify_attention at 2K-8K against
+// rows in lanes (bench/results/kernels_cpu_xeon_avx512/ab_pair_qk.md): R = 21, D 64 1.05-1.10x
+// faster, R = 20, D 128 1.14-1.19x, R = 4 and 8 at D 128 1.09-1.12x; at R = 36 (5 groups, blocked
+// 2 + 2 + 1) it was 2-5 % slower than 3 row vectors, so 5 or more groups keep rows in lanes. The
+// packed queries (pack_queries) then take ceil(D / 2) * 2 * row_pad8(R) floats, at most the
+// D * Rp of the plain layout while row_pad8(R) <= 8 D.
 constexpr bool kPairQk = VEGAS_X86_VEC == 16;
 inline int row_pad8(int R) { return (R + 7) / 8 * 8; }
-inline bool pair_qk(int R, int D) { return kPairQk && (R + 7) / 8 % 2 == 1 && row_pad8(R) <= 8 * D; }
+inline bool pair_qk(int R, int D) {
+  const int groups = (R + 7) / 8;
+  return kPairQk && (groups == 1 || groups == 3) && row_pad8(R) <= 8 * D;
+}
 
 // exp(x) lane-wise (Cephes polynomial, rel. error ~2e-7); clamped to [-87, 88]; NaN stays
 // NaN. Callers zero masked (-inf) lanes separately.
@@ -633,14 +641,10 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
 #endif
 #if VEGAS_X86_VEC == 16
       if (pair) {
-        const int G8 = row_pad8(R) / 8, W = G8 * 16;
-        if (G8 == 3) {
-          qk_pair_rows<3>(rows.qt, W, 0, krow, ntmax, D, pf_k, Rp, ws.s);
-        } else {
-          int g = 0;
-          for (; g + 2 <= G8; g += 2) qk_pair_rows<2>(rows.qt, W, g, krow, ntmax, D, g == 0 ? pf_k : 0, Rp, ws.s);
-          if (g < G8) qk_pair_rows<1>(rows.qt, W, g, krow, ntmax, D, g == 0 ? pf_k : 0, Rp, ws.s);
-        }
+        if (row_pad8(R) == 24)
+          qk_pair_rows<3>(rows.qt, 48, 0, krow, ntmax, D, pf_k, Rp, ws.s);
+        else  // one group
+          qk_pair_rows<1>(rows.qt, 16, 0, krow, ntmax, D, pf_k, Rp, ws.s);
       }
 #endif
       for (int rv0 = 0; !few && !pair && rv0 < NVall;) {
