@@ -109,9 +109,10 @@ inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
 // groups fit one register block: 1 or 3 groups of 8 rows (R = 17-24: 24 lanes instead of 32, e.g.
 // SmolLM2 verifying 6 drafts, Llama-3 verifying 4; R <= 8 outside the tokens-in-lanes path, e.g.
 // Llama-3 decoding). Measured on one Intel Xeon core (AVX-512), verify_attention at 2K-8K against
-// rows in lanes (bench/results/kernels_cpu_xeon_avx512/ab_pair_qk.md): R = 21, D 64 1.05-1.10x
-// faster, R = 20, D 128 1.14-1.19x, R = 4 and 8 at D 128 1.09-1.12x; at R = 36 (5 groups, blocked
-// 2 + 2 + 1) it was 2-5 % slower than 3 row vectors, so 5 or more groups keep rows in lanes. The
+// rows in lanes (bench/results/kernels_cpu_xeon_avx512/ab_pair_qk.md, medians of 6 rounds):
+// R = 21, D 64 1.15x faster, R = 20, D 128 1.17x, R = 4 and 8 at D 128 1.07-1.11x. An earlier
+// version also took 5 groups (R = 36, blocked 2 + 2 + 1): 2-5 % slower than 3 row vectors of 16
+// lanes, so 5 or more groups keep rows in lanes. The
 // packed queries (pack_queries) then take ceil(D / 2) * 2 * row_pad8(R) floats, at most the
 // D * Rp of the plain layout while row_pad8(R) <= 8 D.
 constexpr bool kPairQk = VEGAS_X86_VEC == 16;
