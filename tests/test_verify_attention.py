@@ -249,6 +249,25 @@ def test_narrower_isa_paths_match_reference(isa):
     _run_with_isa(ISA_SCRIPT, isa, shapes=shapes)
 
 
+@pytest.mark.parametrize("hq", [3, 9])  # R = 6 (tokens in lanes) and R = 18 (AVX-512: pair QK)
+def test_row_that_sees_only_minus_inf_scores_gets_zero_output(hq):
+    """Query 0 sees only token 0, whose K makes every score -inf: its ``out`` is 0 and its ``lse``
+    -inf (documented; the reference's softmax gives NaN). Query 1 also sees token 1 and matches
+    the reference."""
+    D = 8
+    q, k, v, _ = make_inputs(1, 2, hq, 1, D, 2, torch.float32, seed=3)
+    q[..., 0] = q[..., 0].abs() + 0.1
+    k[0, 0, 0, 0] = float("-inf")
+    lens = torch.tensor([2], dtype=torch.int32)
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, 1, D ** -0.5, None)
+    want_out, want_lse, _ = reference.verify_attention(q, k, v, lens, 1, D ** -0.5)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    assert torch.isneginf(lse[0, :, 0]).all()
+    torch.testing.assert_close(out[0, 1], want_out[0, 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[0, :, 1], want_lse[0, :, 1], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(bsc).all()
+
+
 @pytest.mark.parametrize("d_inf", [0, 36])
 def test_nonfinite_key_at_an_odd_head_dims_last_element_matches_reference(d_inf):
     """R = 21 with D 37 (AVX-512: the QK on head_dim pairs, the 37th element multiplied into the

@@ -307,6 +307,11 @@ def verify_attention(
     otherwise a row outside ``[Q, S]`` gets NaN ``out`` / ``lse`` / ``block_scores`` (no
     host sync, CUDA-graph capturable). Any ``block_size >= 1`` is valid (one block when it
     covers S); the CUDA workspace is :func:`cuda_workspace_bytes`.
+
+    Non-finite K (CPU kernel): a row whose visible scores are all ``-inf`` gets ``out`` 0 and
+    ``lse`` ``-inf`` (the reference's softmax gives NaN there); a ``+inf`` or NaN score makes
+    that row's ``out`` and ``lse`` NaN (the reference: ``lse`` ``+inf``) and its block scores NaN
+    where it has mass. Rows that see only finite scores are unaffected.
     """
     _require_tensors("verify_attention", q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
                      query_weights_opt=query_weights)
