@@ -11,14 +11,13 @@ Why not `bench_kernels_cpu.py --grid --old-tree`: that runs both trees at once i
 interleaved call by call. On a 2-core Intel Xeon VM (AVX-512) it timed identical code in the two
 processes 10-20 % apart (the process that also times the sgemm and copy anchors the slower),
 so its new / old ratios there were not the kernel's. One process at a time has no such bias
-(identical code paths agree within the round-to-round noise: see the `same code` rows).
+(cells whose code did not change measure ~1.0x within the round-to-round noise).
 Writes <--out>.{jsonl,md}.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -26,10 +25,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-
-# name: (B, Hq, Hkv, D) -- as in bench_kernels_cpu.py's grid
-SHAPES = {"smollm2-b1": (1, 9, 3, 64), "smollm2-b4": (4, 9, 3, 64), "llama3-8b-b1": (1, 32, 8, 128)}
+sys.path.insert(0, str(HERE))
+from common import GRID_SHAPES as SHAPES, ROOT  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, torch

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, run_metadata, time_fns, write_rows  # noqa: E402
+from common import GRID_SHAPES, ROOT, run_metadata, time_fns, write_rows  # noqa: E402
 
 if "--worker" not in sys.argv:
     import vegas_ext  # noqa: E402,F401
@@ -59,13 +59,6 @@ def sdpa_verify(q, k, v, mask, group, enable_gqa):
     kr = k.repeat_interleave(group, dim=1)
     vr = v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(qh, kr, vr, attn_mask=mask)
-
-
-GRID_SHAPES = {  # name: (B, Hq, Hkv, D)
-    "smollm2-b1": (1, 9, 3, 64),
-    "smollm2-b4": (4, 9, 3, 64),
-    "llama3-8b-b1": (1, 32, 8, 128),
-}
 
 
 def worker(tree: str):

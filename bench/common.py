@@ -11,6 +11,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# verify_attention shapes of the kernel benchmarks (bench_kernels_cpu.py --grid, ab_trees_cpu.py):
+# name: (B, Hq, Hkv, D)
+GRID_SHAPES = {
+    "smollm2-b1": (1, 9, 3, 64),
+    "smollm2-b4": (4, 9, 3, 64),
+    "llama3-8b-b1": (1, 32, 8, 128),
+}
+
 
 def sync(device) -> None:
     """Waits for ``device``'s queued work (CUDA); a no-op on CPU. Call around a timed region."""

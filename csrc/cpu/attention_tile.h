@@ -217,22 +217,23 @@ static inline void qk_rows(const float* qt, int Rp, int rv0, const float* const*
 }
 
 #if VEGAS_X86_VEC == 16
-// The pair layout's QK (see pair_qk): 8-row groups [g0, g0 + NG) x MT tokens from t0; qp[e * W +
-// g * 16 + 2 i + p] = scaled q of row 8 g + i at head_dim element 2 e + p (0 past R and D), W = 16 x
-// the groups; each K pair K[t, 2e..2e+1] broadcast as one 64-bit element. The even and odd lanes'
-// partial sums are added pairwise into rows-in-lanes score vectors, s[t * Rp + 8 g + i] for a
-// group pair (g0 + n, g0 + n + 1), n even (a missing second group gives zeros: padded rows).
+// The pair layout's QK (see pair_qk): all NG 8-row groups x MT tokens from t0; qp[e * 16 NG +
+// g * 16 + 2 i + p] = scaled q of row 8 g + i at head_dim element 2 e + p (0 past R and D); each K
+// pair K[t, 2e..2e+1] broadcast as one 64-bit element. The even and odd lanes' partial sums are
+// added pairwise into rows-in-lanes score vectors, s[t * Rp + 8 g + i] for a group pair (n, n + 1),
+// n even (a missing second group gives zeros: padded rows).
 // Token rows past `last` reuse row `last`. An odd D's last element goes into the even lanes only
 // (masked), so an infinite K element there cannot meet the zero of an odd lane.
 template <int NG, int MT>
-static inline void qk_pair_block(const float* qp, int W, int g0, const float* const* krow, int t0, int last,
-                                 int D, int64_t pf, int Rp, float* s) {
+static inline void qk_pair_block(const float* qp, const float* const* krow, int t0, int last, int D, int64_t pf,
+                                 int Rp, float* s) {
+  constexpr int W = 16 * NG;
   const float* kr[MT];
   for (int t = 0; t < MT; ++t) kr[t] = krow[std::min(t0 + t, last)];
   vf a[MT][NG];
   for (int t = 0; t < MT; ++t)
     for (int n = 0; n < NG; ++n) a[t][n] = vf{};
-  const float* qe = qp + g0 * 16;
+  const float* qe = qp;
   const int D2 = D / 2;
   for (int e0 = 0; e0 < D2; e0 += 8) {  // 8 pairs: one 64-byte line of each K row
     if (pf)
@@ -265,15 +266,15 @@ static inline void qk_pair_block(const float* qp, int W, int g0, const float* co
       const __m512 lo = (__m512)a[t][n];
       const __m512 hi = n + 1 < NG ? (__m512)a[t][n + 1] : _mm512_setzero_ps();
       const vf out = (vf)_mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi));
-      st(s + (t0 + t) * Rp + (g0 + n) * 8, out);
+      st(s + (t0 + t) * Rp + n * 8, out);
     }
 }
 
 template <int NG>
-static inline void qk_pair_rows(const float* qp, int W, int g0, const float* const* krow, int ntok, int D,
-                                int64_t pf, int Rp, float* s) {
+static inline void qk_pair_rows(const float* qp, const float* const* krow, int ntok, int D, int64_t pf, int Rp,
+                                float* s) {
   constexpr int MT = NG == 1 ? 16 : 8;
-  for (int t0 = 0; t0 < ntok; t0 += MT) qk_pair_block<NG, MT>(qp, W, g0, krow, t0, ntok - 1, D, pf, Rp, s);
+  for (int t0 = 0; t0 < ntok; t0 += MT) qk_pair_block<NG, MT>(qp, krow, t0, ntok - 1, D, pf, Rp, s);
 }
 #endif
 
@@ -642,10 +643,10 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
 #endif
 #if VEGAS_X86_VEC == 16
       if (pair) {
-        if (row_pad8(R) == 24)
-          qk_pair_rows<3>(rows.qt, 48, 0, krow, ntmax, D, pf_k, Rp, ws.s);
-        else  // one group
-          qk_pair_rows<1>(rows.qt, 16, 0, krow, ntmax, D, pf_k, Rp, ws.s);
+        if (row_pad8(R) == 24)  // the 3 groups of pair_qk
+          qk_pair_rows<3>(rows.qt, krow, ntmax, D, pf_k, Rp, ws.s);
+        else  // its 1 group
+          qk_pair_rows<1>(rows.qt, krow, ntmax, D, pf_k, Rp, ws.s);
       }
 #endif
       for (int rv0 = 0; !few && !pair && rv0 < NVall;) {
