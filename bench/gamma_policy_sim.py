@@ -28,6 +28,7 @@ were chosen; the end-to-end runs are how they are judged.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -151,13 +152,25 @@ def main():
                     help="verification cost per q: a line through the fixed-gamma runs, or each q's measured cost")
     ap.add_argument("--repeats", choices=["first", "all"], default="first",
                     help="costs from the first repeat, or medians over all repeats (ratios to each repeat's full step)")
+    ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+                    help='AutoGamma keyword arguments of a second auto policy, reported beside the default, '
+                         'e.g. \'{"max_probe_interval": 16}\'')
     args = ap.parse_args()
     policies = {"full": lambda: FixedGamma(0), "auto": lambda: AutoGamma(args.max_speculative_tokens)}
+    if args.variant is not None:
+        try:  # bad keywords fail here, before the replay
+            AutoGamma(args.max_speculative_tokens, **args.variant)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--variant: {e}")
+        policies["variant"] = lambda: AutoGamma(args.max_speculative_tokens, **args.variant)
     policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
-    print(f"| context | batch | p | best fixed | auto / full | auto / best | ({args.new_tokens} new tokens, noise {args.noise}, "
-          f"{args.seeds} seeds, verify {args.verify_model}, repeats {args.repeats})")
-    print("|---:|---:|---:|---|---:|---:|---|")
-    worst_full, worst_best = [], []
+    var = args.variant is not None
+    print(f"| context | batch | p | best fixed | auto / full | auto / best |" + (" variant / full | variant / best |" if var else "")
+          + f" ({args.new_tokens} new tokens, noise {args.noise}, "
+          f"{args.seeds} seeds, verify {args.verify_model}, repeats {args.repeats}"
+          + (f", variant {json.dumps(args.variant)}" if var else "") + ")")
+    print("|---:|---:|---:|---|---:|---:|" + ("---:|---:|" if var else "") + "---|")
+    worst_full, worst_best, worst_var = [], [], []
     for (ctx, batch), (tp, td, ts, verify) in cells_from_runs(args.runs, args.verify_model, args.repeats).items():
         for p in args.acceptance:
             rate = {k: statistics.median(simulate(mk(), p, tp, td, ts, verify, args.new_tokens, batch, args.noise, s)
@@ -167,9 +180,17 @@ def main():
             a_full, a_best = rate["auto"] / rate["full"], rate["auto"] / fixed[best]
             worst_full.append(a_full)
             worst_best.append(a_best)
-            print(f"| {ctx} | {batch} | {p:.2f} | {best} ({fixed[best] / rate['full']:.2f}x full) | {a_full:.2f} | {a_best:.2f} |")
+            row = f"| {ctx} | {batch} | {p:.2f} | {best} ({fixed[best] / rate['full']:.2f}x full) | {a_full:.2f} | {a_best:.2f} |"
+            if var:
+                v_full, v_best = rate["variant"] / rate["full"], rate["variant"] / fixed[best]
+                worst_var.append((v_full, v_best))
+                row += f" {v_full:.2f} | {v_best:.2f} |"
+            print(row)
     print(f"\nauto / full: min {min(worst_full):.3f}; auto / best fixed: min {min(worst_best):.3f}, "
           f"median {statistics.median(worst_best):.3f}")
+    if var:
+        print(f"variant / full: min {min(v for v, _ in worst_var):.3f}; variant / best fixed: min "
+              f"{min(b for _, b in worst_var):.3f}, median {statistics.median(b for _, b in worst_var):.3f}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_auto_does_not_probe_where_no_acceptance_could_pay():
     probes = [i for i, g in enumerate(gs) if g > 0]
     n = p.hopeless_probe_interval
     assert probes == [n - 1, 2 * n - 1] and p.num_probes == 2  # after n plain steps in a row, twice
-    # the same costs with the old spacing (a probe after every 4-16 plain steps) when told to
+    # the same costs with the old spacing (a probe after every 4-32 plain steps) when told to
     eager = AutoGamma(8, hopeless_probe_interval=0)
     _warm(eager, t_draft=0.1, c0=0.08, c1=0.03, acc=2)
     ge = []
