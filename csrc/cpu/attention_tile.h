@@ -253,6 +253,7 @@ static inline void qk_pair_block(const float* qp, const float* const* krow, int 
   if (D & 1) {
     vf q[NG];
     for (int n = 0; n < NG; ++n) q[n] = ld(qe + n * VW);
+#pragma GCC unroll 16
     for (int t = 0; t < MT; ++t) {
       const __m512 kb = _mm512_set1_ps(kr[t][D - 1]);
       for (int n = 0; n < NG; ++n)
@@ -261,7 +262,11 @@ static inline void qk_pair_block(const float* qp, const float* const* krow, int 
   }
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  // unrolled (here and for the odd element): otherwise GCC 12, which does not inline this block
+  // into the op, indexed a[t][n] on the stack (24 spills, 48 reloads per block)
+#pragma GCC unroll 16
   for (int t = 0; t < MT; ++t)
+#pragma GCC unroll 4
     for (int n = 0; n < NG; n += 2) {
       const __m512 lo = (__m512)a[t][n];
       const __m512 hi = n + 1 < NG ? (__m512)a[t][n + 1] : _mm512_setzero_ps();
