@@ -8,8 +8,9 @@
 //   fma  FMAs on registers only (as bench/fma_peak.cpp): the core's peak.
 // Prints GFLOP/s (useful flops: 2 * 21 * 64 * 64 per kernel call) and cycles per token at the
 // clock implied by the `fma` row (2 FMA ports x 16 lanes x 2 flops per cycle). The gap between
-// a kernel and `fma+bcast` is the kernel's own overhead (block set-up, the pair-to-row
-// permutes of the scores, loop control, pointer registers); the main loop adds the online softmax,
+// a kernel and `fma+bcast` is the kernel's own overhead (for the QK: per 8 tokens the accumulators
+// restarted, the pair-to-row permutes and the stores; its 8 K-row pointers measured at ~2 %, see
+// bench/results/kernels_cpu_xeon_avx512/microkernel_rates.md); the main loop adds the online softmax,
 // the block scores and the cache misses on top (bench/cpu_attend_microbench.cpp times that).
 // AVX-512 only (the pair QK exists only there).
 //
