@@ -1,7 +1,12 @@
 """``num_speculative_tokens="auto"``: the gamma policy's choices, and losslessness whatever it picks."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from test_cli import run_cli, tiny_model_dir  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPARSE = dict(sparse_attn_ratio=0.05, sparse_attn_min_tokens=32, block_size=8, eos_token_id=[])
 CAPS = torch.tensor([100, 100])
 
@@ -148,6 +154,36 @@ def test_auto_batch_one_recovers_from_early_rejections():
         _feed_one(p, g, g * 0.04, 0.1 + 0.01 * (g + 1), 0.001 if g else 0.0)
     first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
     assert first_on <= 20 and gs[-20:].count(0) == 0
+
+def test_auto_climbs_out_of_short_drafts_after_early_rejections():
+    """Batch 4 at costs measured at 4K, batch 4 (in plain steps: a draft step 0.6, verifying
+    q = 2 / 3 / 4 tokens 1.27 / 1.45 / 1.30): the first two drafts of 2 are rejected at position 2
+    in half the rows, every later draft is accepted. Drafting 1 token never retries position 2,
+    and without climbing the loop drafts 1 token for the rest of the run; climbs draft longer now
+    and then, time the cheaper q = 4, and the drafts grow to the longest."""
+    t = 0.185
+    verify = {1: 1.0, 2: 1.27, 3: 1.45, 4: 1.30, 5: 1.32, 6: 1.45, 7: 1.56, 8: 1.62, 9: 1.68}
+    caps = torch.tensor([400] * 4)
+
+    def run(p, n=60):
+        gs, bad = [], 0
+        for _ in range(n):
+            g = p.choose(caps, 8)
+            acc = [g] * 4
+            if g >= 2 and bad < 2:
+                acc, bad = [1, g, 1, g], bad + 1
+            gs.append(g)
+            p.observe_iteration(IterationCosts(g, g * 0.6 * t, verify[g + 1] * t, 0.035 * t if g else 0.0, scored=g > 0),
+                                torch.tensor([g] * 4), torch.tensor(acc))
+        return gs
+
+    flat = run(AutoGamma(8, climb=False))
+    assert flat[-40:].count(1) >= 38  # locked in
+    p = AutoGamma(8)
+    gs = run(p)
+    assert gs[-30:] == [8] * 30 and p.num_probes >= 1
+    assert p.acceptance()[1] > 0.9
+
 
 def test_auto_explores_while_few_trials_say_it_loses():
     """Batch 1 at 8K-like costs (a draft step ~0.55 of a plain step, speculation worth ~+10 % at
@@ -412,3 +448,20 @@ def test_auto_verify_cost_is_at_least_one_plain_step():
     for g in (1, 2, 4, 6):  # timed (own median) and untimed (the line) q alike; drafts 0.1, select 0.01
         assert p.relative_cost(g) == pytest.approx(1.0 + g * 0.1 + 0.01)
         assert p.relative_cost(g, optimistic=True) == pytest.approx(1.0 + g * 0.1 + 0.01)
+
+
+def test_ab_gamma_policy_runs_and_checks_tokens(tiny_model_dir):  # noqa: F811
+    """bench/ab_gamma_policy.py: every configuration's tokens equal plain decoding's, and the
+    table has one row per configuration (``full`` at 1.000 by definition)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_gamma_policy.py"), "--model", tiny_model_dir,
+                        "--context", "48", "--batch", "2", "--max-new-tokens", "6", "--rounds", "2",
+                        "--variants", '{"no climb": {"climb": false}, "gamma 2": 2}'],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    runs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == 6 and all(x["identical_to_plain"] for x in runs)
+    assert {x["name"] for x in runs} == {"full", "no climb", "gamma 2"}
+    assert re.search(r"^\| full \| 1\.000 \|", r.stdout, re.M) and re.search(r"^\| gamma 2 \| [0-9.]+ \|", r.stdout, re.M)
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_gamma_policy.py"), "--variants", '{"x": {"bogus": 1}}'],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--variants: 'x'" in bad.stderr

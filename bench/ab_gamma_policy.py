@@ -1,0 +1,107 @@
+"""A/B configurations of the ``auto`` gamma policy end to end, on one cell, in alternating rounds.
+
+``bench/gamma_policy_sim.py`` replays a policy against measured costs with independent
+acceptances; what it cannot reproduce -- the order in which a real run's early acceptances and
+timings arrive, which decides whether the policy settles on a short draft -- only a real run
+shows, and one run per configuration says little (the same configuration ran at 1.00x and 1.12x
+plain decoding at 4K, batch 4 on the same machine). This script decodes one batch of
+``bench/e2e.py``'s prompts (``build_batch``: rows start at different places of the document) with
+``full`` (plain decoding), each ``AutoGamma`` configuration given and each fixed gamma given,
+``--rounds`` times in alternating order, checks that every run's tokens equal plain decoding's,
+and prints one JSON line per run (decode tokens/s, gamma histogram, mean acceptance length) and
+per configuration the median ratio to ``full`` of the same round.
+
+    python bench/ab_gamma_policy.py --context 4096 --batch 4 --rounds 3 \\
+        --variants '{"climb": {}, "no climb": {"climb": false}, "gamma 3": 3}'
+
+Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults (ratio 0.05, block size 1);
+pin it to one core (``taskset -c 0``) on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from e2e import build_batch  # noqa: E402
+from vegas_ext import decode, generate, speculation  # noqa: E402
+from vegas_ext.models import load_model  # noqa: E402
+
+
+def _policy_class(kwargs: dict):
+    """``AutoGamma`` with ``kwargs`` bound, as a subclass (``generate`` checks its type)."""
+    base = speculation.AutoGamma
+    return type("AutoGammaVariant", (base,), {"__init__": lambda self, max_gamma: base.__init__(self, max_gamma, **kwargs)})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded model)")
+    ap.add_argument("--doc", default="kjv", help="document of vegas_ext.documents (default kjv)")
+    ap.add_argument("--context", type=int, default=4096, help="prompt tokens per row (default 4096)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", type=json.loads, required=True, metavar="JSON",
+                    help='{"name": AutoGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
+    a = ap.parse_args()
+    if not isinstance(a.variants, dict) or not a.variants or "full" in a.variants:
+        ap.error('--variants: a non-empty JSON object of names (not "full") to keyword objects or ints')
+    for name, v in a.variants.items():
+        if isinstance(v, dict):
+            try:
+                speculation.AutoGamma(8, **v)
+            except (TypeError, ValueError) as e:
+                ap.error(f"--variants: {name!r}: {e}")
+        elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            ap.error(f"--variants: {name!r} must be a keyword object or a fixed gamma >= 1, got {v!r}")
+    if a.rounds < 1 or a.batch < 1 or a.max_new_tokens < 2:
+        ap.error("--rounds and --batch must be >= 1, --max-new-tokens >= 2")
+    torch.set_num_threads(a.threads)
+    model, tok = load_model(a.model)
+    ids, mask = build_batch(tok, a.doc, a.context, a.batch, False)
+    names = list(a.variants)
+    rates = {k: [] for k in ["full", *names]}
+    ref = None
+    for r in range(a.rounds):
+        for name in ["full", *(names if r % 2 == 0 else names[::-1])]:
+            v = a.variants.get(name)
+            kw = dict(sparse_attn_algorithm="vegas", sparse_attn_ratio=0.05, eos_token_id=[])
+            if name == "full":
+                kw.update(sparse_attn_algorithm="full", num_speculative_tokens=0)
+            elif isinstance(v, int):
+                kw.update(num_speculative_tokens=v)
+            else:
+                kw.update(num_speculative_tokens="auto")
+                decode.AutoGamma = _policy_class(v)
+            try:
+                out = generate(model, ids, mask, max_new_tokens=a.max_new_tokens, **kw)
+            finally:
+                decode.AutoGamma = speculation.AutoGamma
+            s = out.stats
+            if ref is None:
+                ref = out.sequences.clone()
+            tps = s["num_generated_tokens"] / (s["time_total_s"] - s["time_prefill_s"])
+            rates[name].append(tps)
+            print(json.dumps({"round": r, "name": name, "decode_tokens_per_s": round(tps, 3),
+                              "identical_to_plain": bool(torch.equal(out.sequences, ref)),
+                              "gamma_histogram": s.get("gamma_histogram"), "num_probes": s.get("num_probes"),
+                              "mean_acceptance_length": round(s.get("mean_acceptance_length", 0.0), 3)}), flush=True)
+    print(f"\n{a.doc}, context {a.context}, batch {a.batch}, {a.max_new_tokens} new tokens, {a.rounds} rounds, "
+          f"{a.threads} thread(s), torch {torch.__version__}")
+    print("| configuration | median x full | per round |\n|---|---:|---|")
+    for name, v in rates.items():
+        per = [t / f for t, f in zip(v, rates["full"])]
+        print(f"| {name} | {statistics.median(per):.3f} | {' / '.join(f'{x:.3f}' for x in per)} |")
+
+
+if __name__ == "__main__":
+    main()
