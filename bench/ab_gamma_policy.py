@@ -12,7 +12,7 @@ and prints one JSON line per run (decode tokens/s, gamma histogram, mean accepta
 per configuration the median ratio to ``full`` of the same round.
 
     python bench/ab_gamma_policy.py --context 4096 --batch 4 --rounds 3 \\
-        --variants '{"climb": {}, "no climb": {"climb": false}, "gamma 3": 3}'
+        --variants '{"climb": {"climb": true}, "default": {}, "gamma 3": 3}'
 
 Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults (ratio 0.05, block size 1);
 pin it to one core (``taskset -c 0``) on a shared machine.

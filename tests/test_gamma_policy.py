@@ -177,9 +177,9 @@ def test_auto_climbs_out_of_short_drafts_after_early_rejections():
                                 torch.tensor([g] * 4), torch.tensor(acc))
         return gs
 
-    flat = run(AutoGamma(8, climb=False))
+    flat = run(AutoGamma(8))  # climbing is off by default
     assert flat[-40:].count(1) >= 38  # locked in
-    p = AutoGamma(8)
+    p = AutoGamma(8, climb=True)
     gs = run(p)
     assert gs[-30:] == [8] * 30 and p.num_probes >= 1
     assert p.acceptance()[1] > 0.9
@@ -455,12 +455,12 @@ def test_ab_gamma_policy_runs_and_checks_tokens(tiny_model_dir):  # noqa: F811
     table has one row per configuration (``full`` at 1.000 by definition)."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_gamma_policy.py"), "--model", tiny_model_dir,
                         "--context", "48", "--batch", "2", "--max-new-tokens", "6", "--rounds", "2",
-                        "--variants", '{"no climb": {"climb": false}, "gamma 2": 2}'],
+                        "--variants", '{"climb": {"climb": true}, "gamma 2": 2}'],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     runs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(runs) == 6 and all(x["identical_to_plain"] for x in runs)
-    assert {x["name"] for x in runs} == {"full", "no climb", "gamma 2"}
+    assert {x["name"] for x in runs} == {"full", "climb", "gamma 2"}
     assert re.search(r"^\| full \| 1\.000 \|", r.stdout, re.M) and re.search(r"^\| gamma 2 \| [0-9.]+ \|", r.stdout, re.M)
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_gamma_policy.py"), "--variants", '{"x": {"bogus": 1}}'],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)

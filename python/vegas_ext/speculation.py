@@ -192,14 +192,18 @@ class AutoGamma(GammaPolicy):
     3 tokens cost 1.45 plain steps but 4 tokens 1.30 (the line through q = 2, 3 priced q = 4 at
     1.6), and in 3 of 10 runs without climbing the loop drafted 1 token per iteration for most of
     the run (0.90-0.94 of fixed gamma 3; another 3 stayed plain but for probes, 0.88-0.94; 4
-    reached 3-4 drafts, 0.96-1.03; ``bench/results/auto_gamma_cpu/climb/``). So after
-    ``climb_interval`` speculative iterations in a row that drafted at most ``g``
+    reached 3-4 drafts, 0.96-1.03; ``bench/results/auto_gamma_cpu/climb/``). With ``climb=True``,
+    after ``climb_interval`` speculative iterations in a row that drafted at most ``g``
     (``probe_interval``, doubling after each check up to ``max_probe_interval``, back to
     ``probe_interval`` once the estimates choose a longer draft by themselves), the policy
     drafts the longer ``g' > g`` with the best rate at the upper-bound acceptance and the probes'
     optimistic verification costs, if that rate beats ``g``'s at the estimates. A climb counts
     as a probe (``num_probes``). It does not help the other failure above, probes from a plain
-    run that keep choosing 1-2 drafts where only 3 or more pay. ``climb=False`` turns it off.
+    run that keep choosing 1-2 drafts where only 3 or more pay. Off by default: at 4K, batch 4
+    it ran at 1.03 / 1.05 / 1.07x plain decoding against 0.98 / 1.11 / 0.99 without (fixed gamma
+    3: 1.04 / 1.15 / 1.11), but at 2K, batch 4 at 1.01 / 1.02 / 0.96 against 1.08 / 1.03 / 0.96
+    (it decoded plainly in ~135 of ~175 iterations, without in 36-129), and the replay
+    (independent acceptances) puts its cost at up to 1.5 % in the worst cells: no net gain shown.
 
     Lossless whatever it picks: the choice depends on past timings and acceptances only.
     The expected-tokens formula generalizes ``(1 - a^(g+1)) / (1 - a)`` of Leviathan et al.
@@ -210,7 +214,7 @@ class AutoGamma(GammaPolicy):
                  acceptance_decay: float = 0.97, cost_ema: float = 0.5, window: int = 5,
                  first_gamma: int = 2, probe_interval: int = 4, max_probe_interval: int = 32,
                  margin: float = 0.03, exploration: float = 1.0, hopeless_probe_interval: int = 64,
-                 climb: bool = True):
+                 climb: bool = False):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
             raise ValueError(f"max_speculative_tokens must be >= 1 with num_speculative_tokens='auto', got {max_gamma}")
