@@ -155,6 +155,7 @@ def test_auto_batch_one_recovers_from_early_rejections():
     first_on = next(i for i in range(len(gs) - 5) if all(x > 0 for x in gs[i:i + 5]))
     assert first_on <= 20 and gs[-20:].count(0) == 0
 
+
 def test_auto_climbs_out_of_short_drafts_after_early_rejections():
     """Batch 4 at costs measured at 4K, batch 4 (in plain steps: a draft step 0.6, verifying
     q = 2 / 3 / 4 tokens 1.27 / 1.45 / 1.30): the first two drafts of 2 are rejected at position 2
