@@ -8,8 +8,8 @@ plain decoding at 4K, batch 4 on the same machine). This script decodes one batc
 ``bench/e2e.py``'s prompts (``build_batch``: rows start at different places of the document) with
 ``full`` (plain decoding), each ``AutoGamma`` configuration given and each fixed gamma given,
 ``--rounds`` times in alternating order, checks that every run's tokens equal plain decoding's,
-and prints one JSON line per run (decode tokens/s, gamma histogram, mean acceptance length) and
-per configuration the median ratio to ``full`` of the same round.
+and prints one JSON line per run (``decode_tokens_per_s`` of ``out.stats``, gamma histogram, mean
+acceptance length) and per configuration the median ratio to ``full`` of the same round.
 
     python bench/ab_gamma_policy.py --context 4096 --batch 4 --rounds 3 \\
         --variants '{"climb": {"climb": true}, "default": {}, "gamma 3": 3}'
@@ -89,7 +89,7 @@ def main():
             s = out.stats
             if ref is None:
                 ref = out.sequences.clone()
-            tps = s["num_generated_tokens"] / (s["time_total_s"] - s["time_prefill_s"])
+            tps = s["decode_tokens_per_s"]
             rates[name].append(tps)
             print(json.dumps({"round": r, "name": name, "decode_tokens_per_s": round(tps, 3),
                               "identical_to_plain": bool(torch.equal(out.sequences, ref)),
