@@ -33,6 +33,7 @@ sys.path.insert(0, HERE)
 from e2e import build_batch  # noqa: E402
 from vegas_ext import decode, generate, speculation  # noqa: E402
 from vegas_ext.models import load_model  # noqa: E402
+from vegas_ext.packed_linear import pack_linear_weights  # noqa: E402
 
 
 def _policy_class(kwargs: dict):
@@ -50,6 +51,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU float32: the model's linears on weights packed for oneDNN "
+                         "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
     ap.add_argument("--variants", type=json.loads, required=True, metavar="JSON",
                     help='{"name": AutoGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
     a = ap.parse_args()
@@ -67,6 +71,7 @@ def main():
         ap.error("--rounds and --batch must be >= 1, --max-new-tokens >= 2")
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
+    packed = pack_linear_weights(model) if a.pack_linears else 0
     ids, mask = build_batch(tok, a.doc, a.context, a.batch, False)
     names = list(a.variants)
     rates = {k: [] for k in ["full", *names]}
@@ -96,7 +101,7 @@ def main():
                               "gamma_histogram": s.get("gamma_histogram"), "num_probes": s.get("num_probes"),
                               "mean_acceptance_length": round(s.get("mean_acceptance_length", 0.0), 3)}), flush=True)
     print(f"\n{a.doc}, context {a.context}, batch {a.batch}, {a.max_new_tokens} new tokens, {a.rounds} rounds, "
-          f"{a.threads} thread(s), torch {torch.__version__}")
+          f"{a.threads} thread(s), torch {torch.__version__}, {packed} linears packed for oneDNN")
     print("| configuration | median x full | per round |\n|---|---:|---|")
     for name, v in rates.items():
         per = [t / f for t, f in zip(v, rates["full"])]

@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from vegas_ext import models
+from vegas_ext.packed_linear import pack_linear_weights
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import SelectionConfig, SelectionContext, VegasSelection, _cache_kwarg
 from vegas_ext.hf import AttentionState, patched
@@ -84,6 +85,9 @@ def main():
                     help="random-weight model of this shape instead of the embedded SmolLM2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU float32: the model's linears on weights packed for oneDNN "
+                         "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
     args = ap.parse_args()
     if args.threads:
@@ -94,6 +98,7 @@ def main():
         model = random_model(args.model_config, device, dtype)
     else:
         model, _ = models.load_model(dtype=dtype, device=device)
+    packed = pack_linear_weights(model) if args.pack_linears else 0
     cfg = model.config
     V = cfg.vocab_size
     g = args.gamma
@@ -178,6 +183,7 @@ def main():
                 cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1" if dev.type == "cuda" else None,
                 context=S, batch=B, gamma=g, tau=tau, block_size=args.block_size, ratio=args.ratio,
                 min_tokens=args.min_tokens, threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype),
+                packed_linears=packed,
                 **{f"{k}_ms": round(v * 1e3, 2) for k, v in best.items()},
                 hf_tok_s=round(B / hf, 2) if hf else None, full_tok_s=round(B / best["full_step"], 2),
                 vegas_iteration_ms=round(1e3 * it, 2), full_iteration_ms_same_tokens=round(1e3 * tau * best["full_step"], 2),

@@ -6,7 +6,8 @@ verification's own attention mass.
 
 Ops (``torch.ops.vegas.*``, typed wrappers in :mod:`vegas_ext.ops`):
 :func:`verify_attention`, :func:`block_topk`, :func:`sparse_draft_attention`.
-Decoding: :func:`generate` (returns a :class:`GenerateOutput`).
+Decoding: :func:`generate` (returns a :class:`GenerateOutput`). CPU speed: :func:`pack_linear_weights`
+(the model's fp32 linears on weights packed once for oneDNN).
 
 Importing the package is cheap: torch, transformers and the compiled ops load on first use of
 an attribute (``vegas_ext.generate``, ``vegas_ext.ops``, ``from vegas_ext import reference``, ...),
@@ -25,6 +26,7 @@ _EXPORTS = {
     "sparse_draft_attention": "ops",
     "generate": "decode",
     "GenerateOutput": "decode",
+    "pack_linear_weights": "packed_linear",
 }
 # submodules that need the compiled ops loaded first (everything torch-side)
 _TORCH_SUBMODULES = {"ops", "reference", "cache", "hf", "decode", "selection"}
@@ -32,7 +34,7 @@ _TORCH_SUBMODULES = {"ops", "reference", "cache", "hf", "decode", "selection"}
 _NEEDS_ALL_ALGORITHMS = {"generate", "GenerateOutput", "decode", "selection"}
 
 __all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "generate",
-           "GenerateOutput", "__version__"]
+           "GenerateOutput", "pack_linear_weights", "__version__"]
 
 
 def __getattr__(name):

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 (default; greedy output is token-for-token plain greedy), bfloat16 or float16 "
                         "(equal up to ties and rounding of the target's logits)")
     m.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available; default)")
+    m.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU in float32, run the model's linear layers on weights packed once for oneDNN "
+                        "(faster decoding steps; the --compare run uses the same model; default: on)")
     pr = g.add_argument_group("prompt")
     src = pr.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None,
@@ -784,6 +787,13 @@ def cmd_generate(args) -> int:
     if args.block_size is None:  # the algorithm's own default (vegas: 1, others: 16)
         args.block_size = SELECTION_ALGORITHMS[args.algorithm].default_block_size
     model, tok = _load(args, dtype, device, show)
+    packed = 0
+    if args.pack_linears:
+        from .packed_linear import pack_linear_weights
+
+        packed = pack_linear_weights(model)  # 0 unless CPU float32 (see vegas_ext.packed_linear)
+        if show and packed:
+            _eprint(f"vegas: {packed} linear layers on weights packed for oneDNN (--no-pack-linears: off)")
 
     rows = _encode(tok, prompts, args.chat)
     max_new = _fit_positions(model, rows, args.max_new_tokens, show)
@@ -846,6 +856,7 @@ def cmd_generate(args) -> int:
         "block_size": args.block_size,
         "dtype": dtype_name,
         "device": str(device),
+        "packed_linears": packed,
         "prompt_lengths": [len(r) for r in rows],
         "text": [tok.decode(r, skip_special_tokens=True) for r in ours],
         "token_ids": ours,

@@ -1,0 +1,129 @@
+"""A model's linears per decoding step: ``F.linear`` against oneDNN-packed weights (vegas_ext.pack_linear_weights).
+
+One "step" multiplies M rows (batch x tokens: M = batch for a plain or draft step, batch x
+(gamma + 1) for a verification pass) by every linear weight of the model, lm_head included,
+as a decoding forward does. Both ways are timed interleaved in one run, medians over rounds,
+against the machine's own limit measured in the same run: a read-only stream over a tensor the
+size of the weights (``sum``), i.e. the time a step would take if it only had to read each weight
+once at that rate. Also checks whether the packed results are the same bits for every M (row i of
+an M-row product against row i of the largest).
+
+    python bench/bench_packed_linears.py --threads 1 --rows 1 2 4 8 12 16 20 24 28 36 \
+        --out bench/results/packed_linears_cpu/smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import run_metadata  # noqa: E402
+
+from vegas_ext import models  # noqa: E402
+from vegas_ext.packed_linear import can_pack  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 20, 24, 28, 36],
+                    help="M values: rows per step (default 1 2 4 8 12 16 20 24 28 36)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None, help="write OUT.jsonl and OUT.md")
+    a = ap.parse_args()
+    if a.rounds < 1 or a.threads < 1 or min(a.rows) < 1:
+        ap.error("--rounds, --threads and every --rows value must be >= 1")
+    torch.set_num_threads(a.threads)
+    model, _ = models.load_model(a.model)
+    lins, seen = [], set()
+    for m in model.modules():
+        if can_pack(m) and id(m) not in seen:
+            seen.add(id(m))
+            lins.append(m)
+    if not lins:
+        ap.error("no fp32 CPU nn.Linear in the model (or PyTorch without oneDNN)")
+    W = [m.weight.detach() for m in lins]
+    P = [torch.ops.mkldnn._reorder_linear_weight(w) for w in W]
+    nbytes = sum(w.numel() * 4 for w in W)
+    big = torch.ones(nbytes // 4)
+
+    def step(M, packed):
+        xs = {}
+        for w in W:
+            xs.setdefault(w.shape[1], torch.randn(M, w.shape[1]))
+        if packed:
+            return lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                            for w, p in zip(W, P)]
+        return lambda: [F.linear(xs[w.shape[1]], w) for w in W]
+
+    fns = {("read", 0): lambda: big.sum()}
+    for M in a.rows:
+        fns[("F.linear", M)] = step(M, False)
+        fns[("packed", M)] = step(M, True)
+    t = {k: [] for k in fns}
+    with torch.inference_mode():
+        for f in fns.values():
+            f()
+        for _ in range(a.rounds):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                t[k].append(time.perf_counter() - t0)
+        # bit-identity of packed rows across M (against the largest M)
+        Mx = max(a.rows)
+        invariant = {}
+        for M in a.rows:
+            same = True
+            for w, p in zip(W, P):
+                x = torch.randn(Mx, w.shape[1])
+                full = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                part = torch.ops.mkldnn._linear_pointwise(x[:M].contiguous(), p, None, "none", [], "")
+                same &= torch.equal(full[:M], part)
+            invariant[M] = bool(same)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    read_gbs = nbytes / med[("read", 0)] / 1e9
+    meta = run_metadata("cpu")
+    meta.update(threads=a.threads, model=a.model or "embedded SmolLM2-135M", linears=len(W), weight_mb=round(nbytes / 1e6, 1),
+                rounds=a.rounds, read_gbs=round(read_gbs, 2))
+    rows = []
+    for M in a.rows:
+        fl, pk = med[("F.linear", M)], med[("packed", M)]
+        flops = sum(2 * M * w.numel() for w in W)
+        rows.append(dict(meta, rows=M, flinear_ms=round(fl * 1e3, 2), packed_ms=round(pk * 1e3, 2),
+                         speedup=round(fl / pk, 3), flinear_gbs=round(nbytes / fl / 1e9, 2),
+                         packed_gbs=round(nbytes / pk / 1e9, 2), flinear_gflops=round(flops / fl / 1e9, 1),
+                         packed_gflops=round(flops / pk / 1e9, 1), packed_same_bits_as_largest_m=invariant[M]))
+    lines = [f"# Linears per decoding step: F.linear vs oneDNN-packed weights",
+             "",
+             f"{meta['device_name']}, {a.threads} thread(s), torch {meta['torch']}, commit {meta['commit']}, "
+             f"{meta['model']}: {len(W)} linears (lm_head included), {nbytes / 1e6:.0f} MB fp32; medians of "
+             f"{a.rounds} interleaved rounds. Read stream over {nbytes / 1e6:.0f} MB in the same run: "
+             f"{read_gbs:.1f} GB/s ({med[('read', 0)] * 1e3:.1f} ms).",
+             "",
+             "| M (rows) | F.linear ms | packed ms | speedup | F.linear GB/s of weights | packed GB/s | "
+             "packed / read stream | packed rows = rows of M " + str(max(a.rows)) + " |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['rows']} | {r['flinear_ms']} | {r['packed_ms']} | {r['speedup']:.2f}x | "
+                     f"{r['flinear_gbs']} | {r['packed_gbs']} | {r['packed_gbs'] / read_gbs:.2f} | "
+                     f"{'yes' if r['packed_same_bits_as_largest_m'] else 'no'} |")
+    print("\n".join(lines))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out + ".jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        with open(a.out + ".md", "w") as f:
+            f.write("Command: `python " + " ".join(sys.argv) + "`\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
