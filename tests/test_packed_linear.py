@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import vegas_ext
-from vegas_ext.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from vegas_ext.packed_linear import PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linear_weights
 
 from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 
@@ -23,7 +23,7 @@ def test_packed_linear_matches_linear(shape, features, bias):
     fin, fout = features
     torch.manual_seed(0)
     lin = nn.Linear(fin, fout, bias=bias)
-    p = PackedLinear(lin)
+    p = PackedLinear(lin, min_rows=1)  # every row count through the packed weights
     x = torch.randn(*shape[:-1], fin)
     with torch.no_grad():
         ref = lin(x)
@@ -34,10 +34,27 @@ def test_packed_linear_matches_linear(shape, features, bias):
     assert ((y - ref).abs() <= bound + 1e-30).all(), (y - ref).abs().max()
 
 
+def test_few_rows_take_f_linear_and_more_take_the_packed_weights():
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 192)
+    p = PackedLinear(lin)
+    assert p.min_rows == PACKED_MIN_ROWS == 4
+    packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach())
+    with torch.no_grad():
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 576)
+            assert torch.equal(p(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        for rows in (4, 7, 28):
+            x = torch.randn(rows, 576)
+            assert torch.equal(p(x), torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], ""))
+        x = torch.randn(2, 2, 576)  # rows are the leading dimensions' product
+        assert torch.equal(p(x), torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], ""))
+
+
 def test_packed_linear_non_contiguous_empty_and_vector_inputs():
     torch.manual_seed(0)
     lin = nn.Linear(16, 5)
-    p = PackedLinear(lin)
+    p = PackedLinear(lin, min_rows=1)
     with torch.no_grad():
         x = torch.randn(6, 3, 16).transpose(0, 1)  # non-contiguous
         torch.testing.assert_close(p(x), lin(x), rtol=1e-6, atol=1e-6)
@@ -49,7 +66,7 @@ def test_packed_linear_non_contiguous_empty_and_vector_inputs():
 def test_packed_linear_sees_in_place_weight_changes():
     torch.manual_seed(0)
     lin = nn.Linear(8, 4)
-    p = PackedLinear(lin)
+    p = PackedLinear(lin, min_rows=1)
     x = torch.randn(3, 8)
     with torch.no_grad():
         before = p(x)
@@ -91,6 +108,11 @@ def test_can_pack_only_fp32_cpu_linears():
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         pack_linear_weights("not a model")
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="min_rows: expected an int >= 1"):
+            pack_linear_weights(nn.Linear(4, 4), min_rows=bad)
+        with pytest.raises(ValueError, match="min_rows: expected an int >= 1"):
+            PackedLinear(nn.Linear(4, 4), min_rows=bad)
 
 
 def test_pack_linear_weights_replaces_every_linear_and_keeps_parameters():
@@ -121,7 +143,7 @@ def test_packed_model_decodes_losslessly(family, gamma):
     stays close to the unpacked model's logits."""
     model = make_model(family)
     ref_model = copy.deepcopy(model)
-    assert pack_linear_weights(model) > 0
+    assert pack_linear_weights(model, min_rows=1) > 0  # every forward through the packed weights
     ids, mask = make_prompts(model.config.vocab_size, [40, 57, 23])
     ref = hf_greedy(model, ids, mask, 24, eos_token_id=[])
     with torch.inference_mode():
