@@ -103,6 +103,17 @@ def test_json_output_fields(tiny_model_dir, capsys):
     assert len(s["num_accepted_tokens_per_pos"]) == 3
     assert 1.0 <= s["mean_acceptance_length"] <= 4.0
     assert d["speedup"] > 0 and d["baseline_tokens_per_s"] > 0
+    assert d["packed_linears"] == 2 * 7 + 1  # CPU float32: every linear, lm_head included
+
+
+def test_no_pack_linears(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
+                            "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--block-size", "4",
+                            "--min-tokens", "4", "--ignore-eos", "--compare", "--json", "--no-progress",
+                            "--no-pack-linears"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["packed_linears"] == 0 and d["identical"] is True
 
 
 def test_json_batch_of_prompts_and_repeat(tiny_model_dir, capsys):
