@@ -671,11 +671,17 @@ def _load(args, dtype, device, show: bool):
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     info = models.last_load_info
+    packed = 0
+    if args.pack_linears:
+        from .packed_linear import pack_linear_weights
+
+        packed = pack_linear_weights(model)  # 0 unless CPU float32 (see vegas_ext.packed_linear)
     if show:
         _eprint(f"vegas: loaded in {info.get('seconds', 0):.1f} s ({info.get('how')}): "
                 f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.3g}M params, "
-                f"{str(dtype).replace('torch.', '')}, {device}")
-    return model, tok
+                f"{str(dtype).replace('torch.', '')}, {device}"
+                + (f"; {packed} linears on oneDNN-packed weights" if packed else ""))
+    return model, tok, packed
 
 
 def _fit_positions(model, rows, max_new: int, show: bool) -> int:
@@ -786,14 +792,7 @@ def cmd_generate(args) -> int:
     device, dtype = _resolve_device_dtype(args)
     if args.block_size is None:  # the algorithm's own default (vegas: 1, others: 16)
         args.block_size = SELECTION_ALGORITHMS[args.algorithm].default_block_size
-    model, tok = _load(args, dtype, device, show)
-    packed = 0
-    if args.pack_linears:
-        from .packed_linear import pack_linear_weights
-
-        packed = pack_linear_weights(model)  # 0 unless CPU float32 (see vegas_ext.packed_linear)
-        if show and packed:
-            _eprint(f"vegas: {packed} linear layers on weights packed for oneDNN (--no-pack-linears: off)")
+    model, tok, packed = _load(args, dtype, device, show)
 
     rows = _encode(tok, prompts, args.chat)
     max_new = _fit_positions(model, rows, args.max_new_tokens, show)
