@@ -30,10 +30,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from common import add_pack_linears_flag, pack_linears  # noqa: E402
 from e2e import build_batch  # noqa: E402
 from vegas_ext import decode, generate, speculation  # noqa: E402
 from vegas_ext.models import load_model  # noqa: E402
-from vegas_ext.packed_linear import pack_linear_weights  # noqa: E402
 
 
 def _policy_class(kwargs: dict):
@@ -51,9 +51,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU float32: the model's linears on weights packed for oneDNN "
-                         "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
+    add_pack_linears_flag(ap)
     ap.add_argument("--variants", type=json.loads, required=True, metavar="JSON",
                     help='{"name": AutoGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
     a = ap.parse_args()
@@ -71,7 +69,7 @@ def main():
         ap.error("--rounds and --batch must be >= 1, --max-new-tokens >= 2")
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    packed = pack_linear_weights(model) if a.pack_linears else 0
+    packed = pack_linears(model, a.pack_linears)
     ids, mask = build_batch(tok, a.doc, a.context, a.batch, False)
     names = list(a.variants)
     rates = {k: [] for k in ["full", *names]}

@@ -43,11 +43,7 @@ def main():
         ap.error("--rounds, --threads and every --rows value must be >= 1")
     torch.set_num_threads(a.threads)
     model, _ = models.load_model(a.model)
-    lins, seen = [], set()
-    for m in model.modules():
-        if can_pack(m) and id(m) not in seen:
-            seen.add(id(m))
-            lins.append(m)
+    lins = [m for m in model.modules() if can_pack(m)]  # modules() yields a shared module once
     if not lins:
         ap.error("no fp32 CPU nn.Linear in the model (or PyTorch without oneDNN)")
     W = [m.weight.detach() for m in lins]
@@ -79,15 +75,12 @@ def main():
                 t[k].append(time.perf_counter() - t0)
         # bit-identity of packed rows across M (against the largest M)
         Mx = max(a.rows)
-        invariant = {}
-        for M in a.rows:
-            same = True
-            for w, p in zip(W, P):
-                x = torch.randn(Mx, w.shape[1])
-                full = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                part = torch.ops.mkldnn._linear_pointwise(x[:M].contiguous(), p, None, "none", [], "")
-                same &= torch.equal(full[:M], part)
-            invariant[M] = bool(same)
+        xs = [torch.randn(Mx, w.shape[1]) for w in W]
+        fulls = [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, P)]
+        invariant = {M: all(torch.equal(full[:M], torch.ops.mkldnn._linear_pointwise(x[:M].contiguous(), p, None,
+                                                                                     "none", [], ""))
+                            for x, p, full in zip(xs, P, fulls))
+                     for M in a.rows}
     med = {k: statistics.median(v) for k, v in t.items()}
     read_gbs = nbytes / med[("read", 0)] / 1e9
     meta = run_metadata("cpu")

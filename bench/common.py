@@ -1,4 +1,5 @@
 """Helpers shared by the benchmarks: run metadata and robust timing."""
+import argparse
 import json
 import os
 import platform
@@ -79,6 +80,21 @@ def time_fns(fns: dict, repeats: int = 10, warmup: int = 2) -> dict:
             f()
             samples[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def add_pack_linears_flag(ap: argparse.ArgumentParser) -> None:
+    """``--pack-linears / --no-pack-linears`` (default on, as in the CLI): pass the parsed value to
+    :func:`pack_linears`."""
+    ap.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU float32: the model's linears on weights packed for oneDNN "
+                         "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
+
+
+def pack_linears(model, enabled: bool) -> int:
+    """``vegas_ext.pack_linear_weights(model)`` where ``enabled`` (``--pack-linears``); the number packed."""
+    from vegas_ext.packed_linear import pack_linear_weights
+
+    return pack_linear_weights(model) if enabled else 0
 
 
 def write_rows(path: Path, rows: list):

@@ -34,12 +34,11 @@ import torch
 from transformers import DynamicCache
 
 from vegas_ext import models
-from vegas_ext.packed_linear import pack_linear_weights
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import SelectionConfig, SelectionContext, VegasSelection, _cache_kwarg
 from vegas_ext.hf import AttentionState, patched
 
-from common import sync
+from common import add_pack_linears_flag, pack_linears, sync
 
 #: random-weight model shapes (``--model-config``); ``tiny`` is for a smoke test
 MODEL_CONFIGS = {
@@ -85,9 +84,7 @@ def main():
                     help="random-weight model of this shape instead of the embedded SmolLM2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU float32: the model's linears on weights packed for oneDNN "
-                         "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
+    add_pack_linears_flag(ap)
     ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
     args = ap.parse_args()
     if args.threads:
@@ -98,7 +95,7 @@ def main():
         model = random_model(args.model_config, device, dtype)
     else:
         model, _ = models.load_model(dtype=dtype, device=device)
-    packed = pack_linear_weights(model) if args.pack_linears else 0
+    packed = pack_linears(model, args.pack_linears)
     cfg = model.config
     V = cfg.vocab_size
     g = args.gamma

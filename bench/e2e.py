@@ -45,10 +45,9 @@ sys.path.insert(0, os.path.join(ROOT, "python"))  # run from a checkout without 
 import torch  # noqa: E402
 
 from vegas_ext import documents, models  # noqa: E402
-from vegas_ext.packed_linear import pack_linear_weights  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (imported from tests, too)
-from common import sync  # noqa: E402
+from common import add_pack_linears_flag, pack_linears, sync  # noqa: E402
 
 DEFAULT_DOCS = "pride_and_prejudice,kjv"
 DEFAULT_CONTEXTS = "2048,4096,8192"
@@ -302,9 +301,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per row (default 64)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    ap.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU float32: the model's linears on weights packed for oneDNN "
-                         "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
+    add_pack_linears_flag(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration and cell (default 2)")
@@ -419,7 +416,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tok = models.load_model(args.model, dtype=dtype, device=device)
     load_s = time.perf_counter() - t0
-    packed = pack_linear_weights(model) if args.pack_linears else 0
+    packed = pack_linears(model, args.pack_linears)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     env = environment(device)
