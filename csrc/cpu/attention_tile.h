@@ -90,14 +90,14 @@ constexpr bool kPvT = kAvx2Blocks;       // P V into the transposed accumulator 
 // the AVX2 blocks 4 left go as 2 + 2, not 3 + 1 (one row vector takes a broadcast per FMA).
 inline int row_block(int rem) { return kAvx2Blocks && rem == 4 ? 2 : std::min(kQkMaxNV, rem); }
 
-// The next tile's K / V are prefetched into L2 (prefetcht1), not L1: the tile being computed
-// (its K and V, 16 KB each at D 64, the scores and the packed queries) already fills most of a
-// 48 KB L1, and prefetching the next one on top of it evicted lines before their use. Measured
-// against prefetcht0 on one AVX-512 core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K
-// (bench/results/kernels_cpu_prefetch_grid.md): verify_attention 1.01-1.09x faster at Q = 7,
-// 1.05-1.28x at Q = 1; in a torch-free microbenchmark of this loop, prefetchnta or no prefetch
-// were slower than either. Only the AVX-512 build was measured; the AVX2 and baseline builds
-// use the same hint.
+// The K / V rows read next (see attend) are prefetched into L2 (prefetcht1), not L1: the tile
+// being computed (its K and V, 16 KB each at D 64, the scores and the packed queries) already
+// fills most of a 48 KB L1, and prefetching the next one on top of it evicted lines before their
+// use. Measured (with the next tile's K and V as the targets) against prefetcht0 on one AVX-512
+// core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K (bench/results/kernels_cpu_prefetch_grid.md):
+// verify_attention 1.01-1.09x faster at Q = 7, 1.05-1.28x at Q = 1; in a torch-free
+// microbenchmark of this loop, prefetchnta or no prefetch were slower than either. Only the
+// AVX-512 build was measured; the AVX2 and baseline builds use the same hint.
 constexpr int kPrefetchLocality = 2;
 
 // Padded row count: rows live in vector lanes.
@@ -199,8 +199,8 @@ static inline void to_f32(const T* src, int n, float* dst) {
 
 // S^T rows [t0, t0 + MT) x row vectors [rv0, rv0 + NV): s[t * Rp + r] = sum_d krow[t][d] *
 // qt[d * Rp + r]. Token rows past `last` reuse row `last` (their results are ignored).
-// pf != 0: prefetch each row's counterpart pf floats ahead (the next tile), one cache
-// line per 16 d.
+// pf != 0: prefetch each row's counterpart pf floats away (tile t's V row; see attend), one
+// cache line per 16 d.
 template <int NV, int MT>
 static inline void qk_block(const float* qt, int Rp, int rv0, const float* const* krow, int t0,
                             int last, int D, int64_t pf, float* s) {
@@ -305,7 +305,7 @@ static inline void qk_pair_rows(const float* qp, const float* const* krow, int n
 //   acc = alpha * acc + sum_{t < ntok} P[t, r] * vrow[t][d],
 // P[t, r] = p[t * Rp + r] (token-major, the rows-in-lanes softmax), or, with kRowP,
 // p[r * kTile + t] (row-major, the few-rows path).
-// pf != 0: prefetch the V rows' counterparts pf floats ahead (the next tile).
+// pf != 0: prefetch the V rows' counterparts pf floats away (the next tile's K row; see attend).
 template <int MR, int ND, bool kRowP = false>
 static inline void pv_block(const float* p, int Rp, int r0, const float* const* vrow, int ntok,
                             const float* alpha, int d0, int D, int64_t pf, float* acc) {
@@ -364,8 +364,8 @@ static inline void pv_tail(int mr, const float* p, int Rp, int r0, const float* 
 // The transposed P V: acct[d, r] = alpha[r] * acct[d, r] + sum_{t < ntok} P[t, r] * vrow[t][d]
 // for head_dim elements [d0, d0 + MT) and row vectors [rv0, rv0 + NV): rows in lanes, as the
 // token-major P of the rows-in-lanes softmax (P[t, r] = p[t * Rp + r]) and alpha come; V[t, d]
-// broadcast. acct: [D, Rp]. pf != 0: prefetch the V rows' counterparts pf floats ahead (each
-// 16-float line by the block it starts in).
+// broadcast. acct: [D, Rp]. pf != 0: prefetch the V rows' counterparts pf floats away (the next
+// tile's K row; see attend; each 16-float line by the block it starts in).
 template <int NV, int MT>
 static inline void pv_t_block(const float* p, int Rp, int rv0, const float* const* vrow, int ntok,
                               const float* alpha, int d0, int64_t pf, float* acct) {
@@ -483,7 +483,8 @@ constexpr int kFewRowsDims = 512;
 
 // s[r * kTile + t] = q_r . krow[t] for r < R, t < ntok (rounded up to 16; the lanes past ntok
 // repeat token ntok - 1). q: [R, D] fp32 row-major, scaled. pf != 0: prefetch the K rows'
-// counterparts pf floats ahead (the next tile), 16 rows before their scores are computed.
+// counterparts pf floats away (this tile's V rows; see attend), 16 rows before their scores are
+// computed.
 static inline void qk_few(const float* q, int R, int D, const float* const* krow, int ntok, int64_t pf,
                           float* s) {
   const int Dv = D / VW;
@@ -614,10 +615,19 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const float* krow[kTile];
   const float* vrow[kTile];
   int64_t tok[kTile];
-  // contiguous fp32 tokens: the next tile's K / V rows are a fixed distance ahead
+  // Contiguous fp32 tokens: the rows to prefetch are a fixed distance from the rows in use. The
+  // memory is read in the order the loop uses it (tile t's K, tile t's V, tile t + 1's K, ...),
+  // and each phase asks for the next in that order: the QK of tile t for tile t's V (token j's V
+  // row is K row j + (v - k) when K and V share a token stride), the P V of tile t for tile t + 1's
+  // K. Measured against asking for the next tile's K in the QK and its V in the P V (a whole tile
+  // further ahead), on one Intel Xeon core (AVX-512), K/V from DRAM on huge pages
+  // (bench/cpu_attend_microbench.cpp, 8K tokens x 160 KV heads): 1.06x faster at Q = 1, 1.08x at
+  // Q = 5, 1.04x at Q = 7 (G 3, D 64), 1.02-1.04x at Q = 7, G 4, D 128; 1.02x from L3.
   const bool direct = !list && std::is_same_v<T, float>;
-  const int64_t pf_k = direct ? kTile * k_st : 0;
-  const int64_t pf_v = direct ? kTile * v_st : 0;
+  const bool same_stride = k_st == v_st;
+  const int64_t kv_gap = (reinterpret_cast<intptr_t>(v) - reinterpret_cast<intptr_t>(k)) / int64_t(sizeof(T));
+  const int64_t pf_k = !direct ? 0 : same_stride ? kv_gap : kTile * k_st;
+  const int64_t pf_v = !direct ? 0 : same_stride ? kTile * k_st - kv_gap : kTile * v_st;
   for (int64_t i0 = 0, tile = 0; i0 < n; i0 += kTile, ++tile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTile, n - i0));
     if (list) {
