@@ -1,11 +1,14 @@
 """verify_attention in two checkouts, one process at a time: an A/B check of a kernel change.
 
-    python bench/ab_trees_cpu.py --old-tree /path/to/other/checkout [--rounds 4] [--out PREFIX]
+    python bench/ab_trees_cpu.py --old-tree /path/to/other/checkout [--rounds 4] [--layers 30] [--out PREFIX]
 
 Each round runs one fresh process per tree (the order alternating every round), each timing every
 cell (median of --calls calls after 3 untimed ones) on one thread pinned to one core, with
 its own inputs (`tests/op_utils.make_inputs`, the tests' generator). Reported per cell: the median
-over rounds of each tree's time and of the per-round ratio old / new.
+over rounds of each tree's time and of the per-round ratio old / new. With --layers N each call
+attends over each of N copies of the cache in turn, allocated on huge pages as VegasCache allocates
+its buffers, so the K/V come from DRAM as in a decoding step (the default, one cache, stays in the
+last-level cache at these sizes).
 
 Why not `bench_kernels_cpu.py --grid --old-tree`: that runs both trees at once in two processes,
 interleaved call by call. On a 2-core Intel Xeon VM (AVX-512) it timed identical code in the two
@@ -35,21 +38,34 @@ sys.path.insert(0, sys.argv[2])
 import vegas_ext.ops  # noqa: F401  (loads this tree's extension)
 from op_utils import make_inputs
 torch.set_num_threads(1)
-cells, calls = json.loads(sys.argv[3]), int(sys.argv[4])
+cells, calls, layers = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 out = []
 for B, Q, Hq, Hkv, D, S, bs in cells:
     q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32, seed=0)
     lens = torch.full((B,), S, dtype=torch.int32)
-    f = lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None)
-    for _ in range(3):
+    if layers > 1:  # one cache per layer, on huge pages as VegasCache allocates them: read from DRAM
+        from vegas_ext.cache import advise_huge_pages
+        kv = []
+        for _ in range(layers):
+            kk, vv = torch.empty_like(k), torch.empty_like(v)
+            advise_huge_pages(kk), advise_huge_pages(vv)
+            kv.append((kk.copy_(k), vv.copy_(v)))
+        del k, v
+    else:
+        kv = [(k, v)]
+    def f():
+        for kk, vv in kv:
+            torch.ops.vegas.verify_attention(q, kk, vv, lens, bs, D ** -0.5, None)
+    for _ in range(3 if layers == 1 else 1):
         f()
     ts = []
     for _ in range(calls):
         t = time.perf_counter()
         f()
-        ts.append(time.perf_counter() - t)
+        ts.append((time.perf_counter() - t) / len(kv))
     ts.sort()
     out.append(ts[len(ts) // 2])
+    del kv
 print(json.dumps(out))
 """
 
@@ -64,6 +80,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--cpu", type=int, default=1, help="core to pin the workers to (taskset)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="time one call on each of this many copies of the cache (on huge pages), so the "
+                         "K/V come from DRAM as in a decoding step (30: SmolLM2's layers); the time is per call")
     ap.add_argument("--out", default=str(HERE / "results" / "tmp" / "ab_trees"))
     args = ap.parse_args()
     cells = [(SHAPES[s][0], Q, SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], S, args.block_size)
@@ -75,7 +94,7 @@ def main():
         order = ["new", "old"] if rnd % 2 == 0 else ["old", "new"]
         for t in order:
             cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-c", WORKER, str(trees[t]),
-                   str(ROOT / "tests"), json.dumps(cells), str(args.calls)]
+                   str(ROOT / "tests"), json.dumps(cells), str(args.calls), str(args.layers)]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             times[t].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {rnd} {t} done", file=sys.stderr, flush=True)
@@ -101,7 +120,7 @@ def main():
                          speedup_max=round(max(o / n for o, n in zip(old, new)), 3),
                          new_gflops=round(4 * B * Hq * Q * S * D / statistics.median(new) / 1e9, 1)))
     meta = dict(cpu=platform.processor() or platform.machine(), new=rev(trees["new"]), old=rev(trees["old"]),
-                rounds=args.rounds, calls=args.calls, argv=sys.argv)
+                rounds=args.rounds, calls=args.calls, layers=args.layers, argv=sys.argv)
     with open(args.out + ".jsonl", "w") as f:
         f.write(json.dumps(meta) + "\n")
         for r in rows:
@@ -109,7 +128,10 @@ def main():
     lines = [f"Command: `python {' '.join(sys.argv)}`", "",
              f"verify_attention, fp32, 1 thread, block size {args.block_size}; new = {meta['new']}, old = "
              f"{meta['old']}; one process per tree at a time, order alternating, {args.rounds} rounds, median of "
-             f"{args.calls} calls per cell and round. Speedup = old / new per round, median (min-max).", "",
+             f"{args.calls} calls per cell and round"
+             + (f" (each call: one per copy of the cache, {args.layers} copies on huge pages, K/V from DRAM; "
+                "time per copy)" if args.layers > 1 else "")
+             + ". Speedup = old / new per round, median (min-max).", "",
              "| shape | S | Q | rows R | new ms | old ms | speedup | new GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['S']} | {r['Q']} | {r['R']} | {r['new_ms']} | {r['old_ms']} | "
