@@ -88,8 +88,9 @@ def test_wrapper_uses_kernel_on_cpu():
 # score vector, head_dim tails by masked loads, row-wise softmax); with AVX2, R <= 4 rows (8 tokens
 # per score vector), and where R fills blocks of 3 row vectors (at most 1/5 padding) the P V
 # accumulates transposed, 3 row vectors x 4 head_dim elements at a time, the remainder one by one.
-# With AVX-512, 1 or 3 groups of 8 rows take the QK on head_dim pairs (pair_qk: 8 rows x 2 elements
-# per vector, an odd D's last element in the even lanes only); 5 groups keep rows in lanes.
+# With AVX-512, 1 or 3 groups of 8 rows, and 2 groups at an even D, take the QK on head_dim pairs
+# (pair_qk: 8 rows x 2 elements per vector, an odd D's last element in the even lanes only); 2 groups
+# at an odd D and 5 groups keep rows in lanes.
 EDGE_SHAPES = [
     (2, 1, 4, 1, 36, 150, 1),     # R = 4, D 36: AVX2's largest tokens-in-lanes R, a head_dim tail of 4
     (2, 5, 5, 5, 30, 140, 3),     # R = 5: AVX2's fewest rows in lanes; D 30: not a multiple of 4 or 8
@@ -108,6 +109,10 @@ EDGE_SHAPES = [
     (1, 5, 16, 2, 33, 150, 3),    # R = 40: 5 groups of 8, rows in lanes; D 33
     (2, 6, 3, 1, 65, 130, 2),     # R = 18 (3 groups, 6 padded rows), D 65: pair QK, odd D
     (2, 1, 7, 1, 65, 140, 1),     # R = 7, D 65: above the tokens-in-lanes R * D; one group, 16 tokens a block
+    (2, 5, 9, 3, 80, 200, 1),     # R = 15: pair QK on 2 groups of 8 (1 padded row), D 80
+    (1, 4, 16, 4, 64, 150, 5),    # R = 16: 2 full groups
+    (2, 3, 12, 3, 33, 130, 1),    # R = 12 with an odd D: 2 groups keep rows in lanes
+    (2, 5, 2, 1, 2, 90, 1),       # R = 10, D 2: the smallest D that 2 groups take (row_pad8 16 <= 8 D)
 ]
 
 

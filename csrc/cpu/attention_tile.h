@@ -105,21 +105,25 @@ inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
 
 // AVX-512 QK with pairs of head_dim elements in lanes (qk_pair_block): lane 2i + p of group g holds
 // row 8g + i, head_dim element 2e + p, so one 16-lane FMA serves 8 rows x 2 elements and the rows
-// are padded to a multiple of 8, not 16. Taken where that saves a vector per 16 rows and the
-// groups fit one register block: 1 or 3 groups of 8 rows (R = 17-24: 24 lanes instead of 32, e.g.
-// SmolLM2 verifying 6 drafts, Llama-3 verifying 4; R <= 8 outside the tokens-in-lanes path, e.g.
-// Llama-3 decoding). Measured on one Intel Xeon core (AVX-512), verify_attention at 2K-8K against
-// rows in lanes (bench/results/kernels_cpu_xeon_avx512/ab_pair_qk.md, medians of 6 rounds):
-// R = 21, D 64 1.15x faster, R = 20, D 128 1.17x, R = 4 and 8 at D 128 1.07-1.11x. An earlier
-// version also took 5 groups (R = 36, blocked 2 + 2 + 1): 2-5 % slower than 3 row vectors of 16
-// lanes, so 5 or more groups keep rows in lanes. The
-// packed queries (pack_queries) then take ceil(D / 2) * 2 * row_pad8(R) floats, at most the
-// D * Rp of the plain layout while row_pad8(R) <= 8 D.
+// are padded to a multiple of 8, not 16. Taken where the groups fit one register block and that
+// saves lanes or loads: 1 or 3 groups of 8 rows (R = 17-24: 24 lanes instead of 32, e.g. SmolLM2
+// verifying 6 drafts, Llama-3 verifying 4; R <= 8 outside the tokens-in-lanes path, e.g. Llama-3
+// decoding), and 2 groups (R = 9-16, even D: the same 16 lanes as rows in lanes, but one K
+// broadcast per 2 FMAs instead of one per FMA, so the block is no longer bound by its loads).
+// Measured on one Intel Xeon core (AVX-512), verify_attention at 2K-8K against rows in lanes
+// (bench/results/kernels_cpu_xeon_avx512/ab_pair_qk.md, medians of 6 rounds): R = 21, D 64 1.15x
+// faster, R = 20, D 128 1.17x, R = 4 and 8 at D 128 1.07-1.11x; 2 groups, in the torch-free loop
+// (bench/cpu_attend_microbench.cpp, 2 runs): R = 15, D 64 1.06-1.10x, R = 9, D 64 1.06-1.07x,
+// R = 12 and 16 at D 128 1.04-1.08x. An earlier version also took 5 groups (R = 36, blocked
+// 2 + 2 + 1): 2-5 % slower than 3 row vectors of 16 lanes, so 5 or more groups keep rows in
+// lanes. The packed queries (pack_queries) then take ceil(D / 2) * 2 * row_pad8(R) floats, at most
+// the D * Rp of the plain layout while row_pad8(R) <= 8 D and, for 2 groups (row_pad8(R) = Rp),
+// D is even.
 constexpr bool kPairQk = VEGAS_X86_VEC == 16;
 inline int row_pad8(int R) { return (R + 7) / 8 * 8; }
 inline bool pair_qk(int R, int D) {
   const int groups = (R + 7) / 8;
-  return kPairQk && (groups == 1 || groups == 3) && row_pad8(R) <= 8 * D;
+  return kPairQk && (groups == 1 || groups == 3 || (groups == 2 && D % 2 == 0)) && row_pad8(R) <= 8 * D;
 }
 
 // exp(x) lane-wise (rel. error ~2e-7), x clamped to [-86.5, 88] (e^x normal); NaN stays NaN.
@@ -296,7 +300,7 @@ static inline void qk_pair_block(const float* qp, const float* const* krow, int 
 template <int NG>
 static inline void qk_pair_rows(const float* qp, const float* const* krow, int ntok, int D, int64_t pf, int Rp,
                                 float* s) {
-  constexpr int MT = NG == 1 ? 16 : 8;
+  constexpr int MT = NG == 1 ? 16 : 8;  // 2 groups: 8 (12 tokens measured no faster)
   for (int t0 = 0; t0 < ntok; t0 += MT) qk_pair_block<NG, MT>(qp, krow, t0, ntok - 1, D, pf, Rp, s);
 }
 #endif
@@ -678,6 +682,8 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       if (pair) {
         if (row_pad8(R) == 24)  // the 3 groups of pair_qk
           qk_pair_rows<3>(rows.qt, krow, ntmax, D, pf_k, Rp, ws.s);
+        else if (row_pad8(R) == 16)  // 2 groups
+          qk_pair_rows<2>(rows.qt, krow, ntmax, D, pf_k, Rp, ws.s);
         else  // its 1 group
           qk_pair_rows<1>(rows.qt, krow, ntmax, D, pf_k, Rp, ws.s);
       }
