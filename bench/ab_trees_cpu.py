@@ -48,7 +48,8 @@ for B, Q, Hq, Hkv, D, S, bs in cells:
         kv = []
         for _ in range(layers):
             kk, vv = torch.empty_like(k), torch.empty_like(v)
-            advise_huge_pages(kk), advise_huge_pages(vv)
+            advise_huge_pages(kk)
+            advise_huge_pages(vv)
             kv.append((kk.copy_(k), vv.copy_(v)))
         del k, v
     else:
