@@ -216,10 +216,12 @@ static inline void qk_block(const float* qt, int Rp, int rv0, const float* const
     for (int n = 0; n < NV; ++n) a[t][n] = vf{};
   const float* qd = qt + rv0 * VW;
   for (int d0 = 0; d0 < D; d0 += 16) {
-    if (pf)
-      for (int t = 0; t < MT; ++t) __builtin_prefetch(kr[t] + pf + d0, 0, kPrefetchLocality);
     const int d1 = std::min(D, d0 + 16);
+    const bool spread = d1 - d0 >= MT;  // one row's line per head_dim step (see kPrefetchLocality)
+    if (pf && !spread)
+      for (int t = 0; t < MT; ++t) __builtin_prefetch(kr[t] + pf + d0, 0, kPrefetchLocality);
     for (int d = d0; d < d1; ++d, qd += Rp) {
+      if (pf && spread && d - d0 < MT) __builtin_prefetch(kr[d - d0] + pf + d0, 0, kPrefetchLocality);
       vf q[NV];
       for (int n = 0; n < NV; ++n) q[n] = ld(qd + n * VW);
       for (int t = 0; t < MT; ++t) {
@@ -259,10 +261,12 @@ static inline void qk_pair_block(const float* qp, const float* const* krow, int 
   const float* qe = qp;
   const int D2 = D / 2;
   for (int e0 = 0; e0 < D2; e0 += 8) {  // 8 pairs: one 64-byte line of each K row
-    if (pf)
-      for (int t = 0; t < MT; ++t) __builtin_prefetch(kr[t] + pf + 2 * e0, 0, kPrefetchLocality);
     const int e1 = std::min(D2, e0 + 8);
     for (int e = e0; e < e1; ++e, qe += W) {
+      if (pf) {  // MT / 8 rows' lines per pair step, the rest at the line's last step (see kPrefetchLocality)
+        const int tb = (e - e0) * MT / 8, te = e + 1 < e1 ? (e - e0 + 1) * MT / 8 : MT;
+        for (int t = tb; t < te; ++t) __builtin_prefetch(kr[t] + pf + 2 * e0, 0, kPrefetchLocality);
+      }
       vf q[NG];
       for (int n = 0; n < NG; ++n) q[n] = ld(qe + n * VW);
       for (int t = 0; t < MT; ++t) {
@@ -326,11 +330,13 @@ struct PassPrefetch {
 template <int MR, int ND, bool kRowP = false>
 static inline void pv_block(const float* p, int Rp, int r0, const float* const* vrow, int ntok,
                             const float* alpha, int d0, int D, PassPrefetch pf, float* acc) {
-  constexpr int NL = (ND * VW + 15) / 16;  // lines that start in this block's head_dim range
-  int64_t line[NL];  // offsets (from a V row) of this pass's lines
-  int nl = 0;
-  for (int c = 0; c < NL && pf.off != 0; ++c)
-    if (((d0 + 16 * c) / 16) % pf.npass == pf.pass) line[nl++] = pf.off + d0 + 16 * c;
+  // this block's lines of each prefetched row (16 floats each from d0, inside D), and where this
+  // pass's share starts: line k = row k / nl, line k % nl for k from pass * ntok * nl / npass on,
+  // nl / npass of them per token (carried in pacc)
+  const int nl = pf.off == 0 ? 0 : (std::min(D, d0 + ND * VW) - d0 + 15) / 16;
+  const int64_t k0 = nl == 0 ? 0 : int64_t(pf.pass) * ntok * nl;
+  int prow = nl == 0 ? 0 : static_cast<int>(k0 / pf.npass / nl), pc = nl == 0 ? 0 : static_cast<int>(k0 / pf.npass % nl);
+  int pacc = nl == 0 ? 0 : static_cast<int>(k0 % pf.npass);
   vf a[MR][ND];
   for (int i = 0; i < MR; ++i) {
     const vf al = splat(alpha[r0 + i]);
@@ -340,7 +346,13 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
   const int ts = kRowP ? 1 : Rp;           // token stride of P
   const float* pt = p + r0 * rs;
   for (int t = 0; t < ntok; ++t, pt += ts) {
-    for (int c = 0; c < nl; ++c) __builtin_prefetch(vrow[t] + line[c], 0, kPrefetchLocality);
+    for (pacc += nl; pacc >= pf.npass && nl != 0; pacc -= pf.npass) {
+      if (prow < ntok) __builtin_prefetch(vrow[prow] + pf.off + d0 + 16 * pc, 0, kPrefetchLocality);
+      if (++pc == nl) {
+        pc = 0;
+        ++prow;
+      }
+    }
     vf v[ND];
     for (int n = 0; n < ND; ++n) v[n] = ld(vrow[t] + d0 + n * VW);
     for (int i = 0; i < MR; ++i) {
@@ -522,17 +534,20 @@ static inline void qk_few(const float* q, int R, int D, const float* const* krow
   for (int t0 = 0; t0 < ntok; t0 += VW) {
     const float* kr[VW];
     for (int i = 0; i < VW; ++i) kr[i] = krow[std::min(t0 + i, ntok - 1)];
-    if (pf)
-      for (int i = 0; i < VW; ++i)
-        for (int e = 0; e < D; e += 16) __builtin_prefetch(kr[i] + pf + e, 0, kPrefetchLocality);
     for (int r = 0; r < R; ++r) {
       const float* qr = q + r * D;
       vf a[VW];
       for (int i = 0; i < VW; ++i) a[i] = vf{};
+      // row r's pass asks for the lines of the rows i = r (mod R), one line of each per step
+      // (see kPrefetchLocality); VW floats = one 64-byte line on AVX-512, half of one on AVX2
       for (int e = 0; e < Dv; ++e) {
+        if (pf && (e * VW) % 16 == 0)
+          for (int i = r; i < VW; i += R) __builtin_prefetch(kr[i] + pf + e * VW, 0, kPrefetchLocality);
         const vf qv = ld(qr + e * VW);
         for (int i = 0; i < VW; ++i) a[i] += qv * ld(kr[i] + e * VW);
       }
+      if (pf && tail && (Dv * VW) % 16 == 0)
+        for (int i = r; i < VW; i += R) __builtin_prefetch(kr[i] + pf + Dv * VW, 0, kPrefetchLocality);
       if (tail) {
         const vf qv = load_tail(qr + Dv * VW);
         for (int i = 0; i < VW; ++i) a[i] += qv * load_tail(kr[i] + Dv * VW);
