@@ -260,22 +260,31 @@ static inline void qk_pair_block(const float* qp, const float* const* krow, int 
     for (int n = 0; n < NG; ++n) a[t][n] = vf{};
   const float* qe = qp;
   const int D2 = D / 2;
-  for (int e0 = 0; e0 < D2; e0 += 8) {  // 8 pairs: one 64-byte line of each K row
-    const int e1 = std::min(D2, e0 + 8);
-    for (int e = e0; e < e1; ++e, qe += W) {
-      if (pf) {  // MT / 8 rows' lines per pair step, the rest at the line's last step (see kPrefetchLocality)
-        const int tb = (e - e0) * MT / 8, te = e + 1 < e1 ? (e - e0 + 1) * MT / 8 : MT;
-        for (int t = tb; t < te; ++t) __builtin_prefetch(kr[t] + pf + 2 * e0, 0, kPrefetchLocality);
-      }
-      vf q[NG];
-      for (int n = 0; n < NG; ++n) q[n] = ld(qe + n * VW);
-      for (int t = 0; t < MT; ++t) {
-        double kp;
-        std::memcpy(&kp, kr[t] + 2 * e, sizeof kp);
-        const vf kb = (vf)_mm512_castpd_ps(_mm512_set1_pd(kp));
-        for (int n = 0; n < NG; ++n) a[t][n] += kb * q[n];
-      }
+  auto pair_step = [&](int e) __attribute__((always_inline)) {
+    vf q[NG];
+    for (int n = 0; n < NG; ++n) q[n] = ld(qe + n * VW);
+    for (int t = 0; t < MT; ++t) {
+      double kp;
+      std::memcpy(&kp, kr[t] + 2 * e, sizeof kp);
+      const vf kb = (vf)_mm512_castpd_ps(_mm512_set1_pd(kp));
+      for (int n = 0; n < NG; ++n) a[t][n] += kb * q[n];
     }
+    qe += W;
+  };
+  int e0 = 0;
+  for (; e0 + 8 <= D2; e0 += 8) {  // 8 pairs: one 64-byte line of each K row, MT / 8 rows' lines
+                                   // prefetched per pair step (see kPrefetchLocality)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      if (pf)
+        for (int t = j * MT / 8; t < (j + 1) * MT / 8; ++t) __builtin_prefetch(kr[t] + pf + 2 * e0, 0, kPrefetchLocality);
+      pair_step(e0 + j);
+    }
+  }
+  if (e0 < D2) {  // a last, shorter line: all rows' at once
+    if (pf)
+      for (int t = 0; t < MT; ++t) __builtin_prefetch(kr[t] + pf + 2 * e0, 0, kPrefetchLocality);
+    for (int e = e0; e < D2; ++e) pair_step(e);
   }
   if (D & 1) {
     vf q[NG];
