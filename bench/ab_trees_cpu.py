@@ -1,6 +1,7 @@
-"""verify_attention in two checkouts, one process at a time: an A/B check of a kernel change.
+"""verify_attention (or sparse_draft_attention) in two checkouts, one process at a time: an A/B check of a kernel change.
 
     python bench/ab_trees_cpu.py --old-tree /path/to/other/checkout [--rounds 4] [--layers 30] [--out PREFIX]
+    python bench/ab_trees_cpu.py --old-tree ... --op sparse_draft_attention --layers 30   # a draft step's reads
 
 Each round runs one fresh process per tree (the order alternating every round), each timing every
 cell (median of --calls calls after 3 untimed ones) on one thread pinned to one core, with
@@ -8,7 +9,9 @@ its own inputs (`tests/op_utils.make_inputs`, the tests' generator). Reported pe
 over rounds of each tree's time and of the per-round ratio old / new. With --layers N each call
 attends over each of N copies of the cache in turn, allocated on huge pages as VegasCache allocates
 its buffers, so the K/V come from DRAM as in a decoding step (the default, one cache, stays in the
-last-level cache at these sizes).
+last-level cache at these sizes). With --op sparse_draft_attention each cell is one draft token at the
+vegas default: --budget of the S tokens (5 %) as sorted random 1-token blocks before a tail of 7
+tokens, per batch row and KV head (--queries is ignored).
 
 Why not `bench_kernels_cpu.py --grid --old-tree`: that runs both trees at once in two processes,
 interleaved call by call. On a 2-core Intel Xeon VM (AVX-512) it timed identical code in the two
@@ -38,11 +41,16 @@ sys.path.insert(0, sys.argv[2])
 import vegas_ext.ops  # noqa: F401  (loads this tree's extension)
 from op_utils import make_inputs
 torch.set_num_threads(1)
-cells, calls, layers = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+cells, calls, layers, op, budget = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], float(sys.argv[7])
 out = []
 for B, Q, Hq, Hkv, D, S, bs in cells:
     q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32, seed=0)
     lens = torch.full((B,), S, dtype=torch.int32)
+    if op == "sparse_draft_attention":  # one draft token: sorted random 1-token blocks before a 7-token tail
+        g = torch.Generator().manual_seed(2)
+        nsel = int(budget * S)
+        idx = torch.stack([torch.randperm(S - 7, generator=g)[:nsel].sort().values for _ in range(B * Hkv)])
+        idx, tail, q = idx.view(B, Hkv, nsel).int(), torch.full((B,), S - 7, dtype=torch.int32), q[:, -1:]
     if layers > 1:  # one cache per layer, on huge pages as VegasCache allocates them: read from DRAM
         from vegas_ext.cache import advise_huge_pages
         kv = []
@@ -56,7 +64,10 @@ for B, Q, Hq, Hkv, D, S, bs in cells:
         kv = [(k, v)]
     def f():
         for kk, vv in kv:
-            torch.ops.vegas.verify_attention(q, kk, vv, lens, bs, D ** -0.5, None)
+            if op == "sparse_draft_attention":
+                torch.ops.vegas.sparse_draft_attention(q, kk, vv, idx, tail, lens, 1, D ** -0.5)
+            else:
+                torch.ops.vegas.verify_attention(q, kk, vv, lens, bs, D ** -0.5, None)
     for _ in range(3 if layers == 1 else 1):
         f()
     ts = []
@@ -84,8 +95,15 @@ def main():
     ap.add_argument("--layers", type=int, default=1,
                     help="time one call on each of this many copies of the cache (on huge pages), so the "
                          "K/V come from DRAM as in a decoding step (30: SmolLM2's layers); the time is per call")
+    ap.add_argument("--op", default="verify_attention", choices=["verify_attention", "sparse_draft_attention"])
+    ap.add_argument("--budget", type=float, default=0.05,
+                    help="sparse_draft_attention: the selected fraction of the S tokens (vegas's default ratio)")
     ap.add_argument("--out", default=str(HERE / "results" / "tmp" / "ab_trees"))
     args = ap.parse_args()
+    if not 0 < args.budget < 1:
+        ap.error(f"--budget must be in (0, 1), got {args.budget}")
+    if args.op == "sparse_draft_attention":
+        args.queries = [1]
     cells = [(SHAPES[s][0], Q, SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], S, args.block_size)
              for s in args.shapes for S in args.seq_lens for Q in args.queries]
     names = [(s, S, Q) for s in args.shapes for S in args.seq_lens for Q in args.queries]
@@ -95,7 +113,7 @@ def main():
         order = ["new", "old"] if rnd % 2 == 0 else ["old", "new"]
         for t in order:
             cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-c", WORKER, str(trees[t]),
-                   str(ROOT / "tests"), json.dumps(cells), str(args.calls), str(args.layers)]
+                   str(ROOT / "tests"), json.dumps(cells), str(args.calls), str(args.layers), args.op, str(args.budget)]
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             times[t].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {rnd} {t} done", file=sys.stderr, flush=True)
@@ -119,15 +137,20 @@ def main():
                          speedup=round(statistics.median(o / n for o, n in zip(old, new)), 3),
                          speedup_min=round(min(o / n for o, n in zip(old, new)), 3),
                          speedup_max=round(max(o / n for o, n in zip(old, new)), 3),
-                         new_gflops=round(4 * B * Hq * Q * S * D / statistics.median(new) / 1e9, 1)))
-    meta = dict(cpu=platform.processor() or platform.machine(), new=rev(trees["new"]), old=rev(trees["old"]),
+                         new_gflops=round(4 * B * Hq * Q * S * D / statistics.median(new) / 1e9, 1)
+                         if args.op == "verify_attention" else None))
+    meta = dict(cpu=platform.processor() or platform.machine(), op=args.op,
+                budget=args.budget if args.op == "sparse_draft_attention" else None, new=rev(trees["new"]), old=rev(trees["old"]),
                 rounds=args.rounds, calls=args.calls, layers=args.layers, argv=sys.argv)
     with open(args.out + ".jsonl", "w") as f:
         f.write(json.dumps(meta) + "\n")
         for r in rows:
             f.write(json.dumps(r) + "\n")
     lines = [f"Command: `python {' '.join(sys.argv)}`", "",
-             f"verify_attention, fp32, 1 thread, block size {args.block_size}; new = {meta['new']}, old = "
+             (f"verify_attention, fp32, 1 thread, block size {args.block_size}" if args.op == "verify_attention" else
+              f"sparse_draft_attention, fp32, 1 thread, one draft token over {args.budget:g} of S in 1-token "
+              "blocks + a 7-token tail")
+             + f"; new = {meta['new']}, old = "
              f"{meta['old']}; one process per tree at a time, order alternating, {args.rounds} rounds, median of "
              f"{args.calls} calls per cell and round"
              + (f" (each call: one per copy of the cache, {args.layers} copies on huge pages, K/V from DRAM; "
@@ -136,7 +159,7 @@ def main():
              "| shape | S | Q | rows R | new ms | old ms | speedup | new GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['S']} | {r['Q']} | {r['R']} | {r['new_ms']} | {r['old_ms']} | "
-                     f"{r['speedup']} ({r['speedup_min']}-{r['speedup_max']}) | {r['new_gflops']} |")
+                     f"{r['speedup']} ({r['speedup_min']}-{r['speedup_max']}) | {r['new_gflops'] or '-'} |")
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

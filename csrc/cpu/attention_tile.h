@@ -98,6 +98,17 @@ inline int row_block(int rem) { return kAvx2Blocks && rem == 4 ? 2 : std::min(kQ
 // verify_attention 1.01-1.09x faster at Q = 7, 1.05-1.28x at Q = 1; in a torch-free
 // microbenchmark of this loop, prefetchnta or no prefetch were slower than either. Only the
 // AVX-512 build was measured; the AVX2 and baseline builds use the same hint.
+// The prefetches go out one line (or a few) at a time through the compute, never as a burst: a
+// QK step asks for one row's line (qk_block: the first MT head_dim steps of each line; the pair
+// QK: MT / 8 rows per pair step; the few-rows QK: the rows i = r (mod R) in row r's pass, one
+// line per step) and a P V token step for its share of the next rows' lines in row-major order
+// (PassPrefetch). On one Intel Xeon core (AVX-512), K/V from DRAM on huge pages
+// (bench/cpu_attend_microbench.cpp, 8K tokens, 160 / 80 / 40 KV heads), against a burst of all
+// rows' lines at the start of each line or 16-token group, step by step: the few-rows QK 1.21x
+// faster at Q = 1 (R 3, D 64), 1.24x at R 4, D 64, 1.14x at R 8, D 32; then qk_block 1.19x at R 4,
+// D 128 (Llama-3 decoding), 1.12x at R 28, D 128, 1.17x at R 27, D 64; then the row-major P V
+// 1.04-1.10x at Q 5-9; the pair QK 1.05x at R 21, D 64 (unrolled: a per-step bound cost 5 % in
+// cache). A burst of prefetches that DRAM cannot serve at once holds up the loads behind it.
 constexpr int kPrefetchLocality = 2;
 
 // Padded row count: rows live in vector lanes.
@@ -319,13 +330,14 @@ static inline void qk_pair_rows(const float* qp, const float* const* krow, int n
 }
 #endif
 
-// What one P V pass over a block of rows prefetches (see attend): for each V row it reads, the
-// lines L (of 16 floats) of the row `off` floats away with L % npass == pass, so the passes over
-// all the row blocks share the lines out evenly instead of the first asking for all of them at
-// once (off == 0: none). Measured on one Intel Xeon core (AVX-512), K/V from DRAM on huge pages
-// (bench/cpu_attend_microbench.cpp, 8K tokens, 160 or 60 KV heads, against all lines in the first
-// pass): Q 7, G 3, D 64 (4 passes of 1 line) 1.03-1.08x faster, Q 5 1.02-1.06x, Q 9 1.03x, Q 7,
-// G 4, D 128 1.01-1.02x; from L2 no change.
+// What one P V pass over a block of rows prefetches (see attend): the rows `off` floats from the
+// V rows read (off == 0: none), their lines (of 16 floats, in each pv_block's head_dim range) in
+// row-major order shared out over the npass passes over the row blocks, nl / npass lines per
+// token step: pass 0 asks for the first rows' lines, so the next tile's first QK block finds
+// them early. Measured on one Intel Xeon core (AVX-512), K/V from DRAM on huge pages
+// (bench/cpu_attend_microbench.cpp, 8K tokens, 160 or 80 KV heads): against line L of every row
+// in pass L % npass (itself 1.02-1.08x faster at Q 5-9 than all lines in the first pass), 1.05x
+// at Q 7, G 3, D 64, 1.04-1.06x at Q 5 and 9, 1.10x at Q 7, G 4, D 128; from L2 no change.
 struct PassPrefetch {
   int64_t off;
   int pass, npass;
