@@ -113,6 +113,8 @@ EDGE_SHAPES = [
     (1, 4, 16, 4, 64, 150, 5),    # R = 16: 2 full groups
     (2, 3, 12, 3, 33, 130, 1),    # R = 12 with an odd D: 2 groups keep rows in lanes
     (2, 5, 2, 1, 2, 90, 1),       # R = 10, D 2: the smallest D that 2 groups take (row_pad8 16 <= 8 D)
+    (1, 2, 6, 1, 36, 150, 1),     # R = 12, D 36: 2 groups, 2 full lines of 8 pairs and a short last line
+    (1, 1, 7, 1, 100, 140, 1),    # R = 7, D 100: one group (2 rows' prefetches per pair step), a short last line
 ]
 
 
