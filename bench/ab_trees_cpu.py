@@ -1,4 +1,4 @@
-"""verify_attention (or sparse_draft_attention) in two checkouts, one process at a time: an A/B check of a kernel change.
+"""verify_attention (or sparse_draft_attention) in two checkouts, one process at a time: a kernel change's A/B.
 
     python bench/ab_trees_cpu.py --old-tree /path/to/other/checkout [--rounds 4] [--layers 30] [--out PREFIX]
     python bench/ab_trees_cpu.py --old-tree ... --op sparse_draft_attention --layers 30   # a draft step's reads
@@ -41,7 +41,8 @@ sys.path.insert(0, sys.argv[2])
 import vegas_ext.ops  # noqa: F401  (loads this tree's extension)
 from op_utils import make_inputs
 torch.set_num_threads(1)
-cells, calls, layers, op, budget = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], float(sys.argv[7])
+cells, calls, layers = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+op, budget = sys.argv[6], float(sys.argv[7])
 out = []
 for B, Q, Hq, Hkv, D, S, bs in cells:
     q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32, seed=0)
@@ -140,7 +141,8 @@ def main():
                          new_gflops=round(4 * B * Hq * Q * S * D / statistics.median(new) / 1e9, 1)
                          if args.op == "verify_attention" else None))
     meta = dict(cpu=platform.processor() or platform.machine(), op=args.op,
-                budget=args.budget if args.op == "sparse_draft_attention" else None, new=rev(trees["new"]), old=rev(trees["old"]),
+                budget=args.budget if args.op == "sparse_draft_attention" else None,
+                new=rev(trees["new"]), old=rev(trees["old"]),
                 rounds=args.rounds, calls=args.calls, layers=args.layers, argv=sys.argv)
     with open(args.out + ".jsonl", "w") as f:
         f.write(json.dumps(meta) + "\n")
