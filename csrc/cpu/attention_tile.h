@@ -353,11 +353,11 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
                             const float* alpha, int d0, int D, PassPrefetch pf, float* acc) {
   // this block's lines of each prefetched row (16 floats each from d0, inside D), and where this
   // pass's share starts: line k = row k / nl, line k % nl for k from pass * ntok * nl / npass on,
-  // nl / npass of them per token (carried in pacc)
+  // nl / npass of them per token (the remainder carried in pacc; nl == 0: none)
   const int nl = pf.off == 0 ? 0 : (std::min(D, d0 + ND * VW) - d0 + 15) / 16;
-  const int64_t k0 = nl == 0 ? 0 : int64_t(pf.pass) * ntok * nl;
-  int prow = nl == 0 ? 0 : static_cast<int>(k0 / pf.npass / nl), pc = nl == 0 ? 0 : static_cast<int>(k0 / pf.npass % nl);
-  int pacc = nl == 0 ? 0 : static_cast<int>(k0 % pf.npass);
+  const int64_t k0 = int64_t(pf.pass) * ntok * nl, first = k0 / pf.npass;
+  int prow = nl ? static_cast<int>(first / nl) : 0, pc = nl ? static_cast<int>(first % nl) : 0;
+  int pacc = static_cast<int>(k0 % pf.npass);
   vf a[MR][ND];
   for (int i = 0; i < MR; ++i) {
     const vf al = splat(alpha[r0 + i]);
@@ -367,7 +367,7 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
   const int ts = kRowP ? 1 : Rp;           // token stride of P
   const float* pt = p + r0 * rs;
   for (int t = 0; t < ntok; ++t, pt += ts) {
-    for (pacc += nl; pacc >= pf.npass && nl != 0; pacc -= pf.npass) {
+    for (pacc += nl; pacc >= pf.npass; pacc -= pf.npass) {
       if (prow < ntok) __builtin_prefetch(vrow[prow] + pf.off + d0 + 16 * pc, 0, kPrefetchLocality);
       if (++pc == nl) {
         pc = 0;
