@@ -338,10 +338,12 @@ static inline void qk_pair_rows(const float* qp, const float* const* krow, int n
 // (bench/cpu_attend_microbench.cpp, 8K tokens, 160 or 80 KV heads): against line L of every row
 // in pass L % npass (itself 1.02-1.08x faster at Q 5-9 than all lines in the first pass), 1.05x
 // at Q 7, G 3, D 64, 1.04-1.06x at Q 5 and 9, 1.10x at Q 7, G 4, D 128; from L2 no change.
+// The V rows are `stride` floats apart (contiguous tokens: prefetching is on only there).
 struct PassPrefetch {
-  int64_t off;
+  int64_t off, stride;
   int pass, npass;
-  PassPrefetch(int64_t off_ = 0, int pass_ = 0, int npass_ = 1) : off(off_), pass(pass_), npass(npass_) {}
+  PassPrefetch(int64_t off_ = 0, int64_t stride_ = 0, int pass_ = 0, int npass_ = 1)
+      : off(off_), stride(stride_), pass(pass_), npass(npass_) {}
 };
 
 // acc rows [r0, r0 + MR), head_dim vectors [d0, d0 + ND * VW):
@@ -353,11 +355,24 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
                             const float* alpha, int d0, int D, PassPrefetch pf, float* acc) {
   // this block's lines of each prefetched row (16 floats each from d0, inside D), and where this
   // pass's share starts: line k = row k / nl, line k % nl for k from pass * ntok * nl / npass on,
-  // nl / npass of them per token (the remainder carried in pacc; nl == 0: none)
+  // nl / npass of them per token (`per` where npass divides nl, else the remainder carried in
+  // pacc; nl == 0: none), to at most the last row's last line. pp: the next line's address.
   const int nl = pf.off == 0 ? 0 : (std::min(D, d0 + ND * VW) - d0 + 15) / 16;
-  const int64_t k0 = int64_t(pf.pass) * ntok * nl, first = k0 / pf.npass;
-  int prow = nl ? static_cast<int>(first / nl) : 0, pc = nl ? static_cast<int>(first % nl) : 0;
+  const int64_t k0 = int64_t(pf.pass) * ntok * nl, first = nl ? k0 / pf.npass : 0;
+  int pc = nl ? static_cast<int>(first % nl) : 0;
+  const float* pp = vrow[0] + pf.off + d0 + (nl ? first / nl : 0) * pf.stride + 16 * pc;
+  const int64_t row_step = pf.stride - 16 * nl;
+  const bool exact = nl % pf.npass == 0;
+  const int per = nl / pf.npass;
   int pacc = static_cast<int>(k0 % pf.npass);
+  auto prefetch_next = [&]() __attribute__((always_inline)) {
+    __builtin_prefetch(pp, 0, kPrefetchLocality);
+    pp += 16;
+    if (++pc == nl) {
+      pc = 0;
+      pp += row_step;
+    }
+  };
   vf a[MR][ND];
   for (int i = 0; i < MR; ++i) {
     const vf al = splat(alpha[r0 + i]);
@@ -367,13 +382,10 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
   const int ts = kRowP ? 1 : Rp;           // token stride of P
   const float* pt = p + r0 * rs;
   for (int t = 0; t < ntok; ++t, pt += ts) {
-    for (pacc += nl; pacc >= pf.npass; pacc -= pf.npass) {
-      if (prow < ntok) __builtin_prefetch(vrow[prow] + pf.off + d0 + 16 * pc, 0, kPrefetchLocality);
-      if (++pc == nl) {
-        pc = 0;
-        ++prow;
-      }
-    }
+    if (exact)
+      for (int i = 0; i < per; ++i) prefetch_next();
+    else
+      for (pacc += nl; pacc >= pf.npass; pacc -= pf.npass) prefetch_next();
     vf v[ND];
     for (int n = 0; n < ND; ++n) v[n] = ld(vrow[t] + d0 + n * VW);
     for (int i = 0; i < MR; ++i) {
@@ -628,14 +640,10 @@ constexpr int kFewRowsDims = 0;
 // q + r * D (fp32).
 inline void pack_queries(const float* q, int R, int D, float* qt) {
   if (pair_qk(R, D)) {  // qt[e * W + g * 16 + 2 i + p] = q_{8g+i}[2e + p], W = 16 x the 8-row groups
-    const int G8 = row_pad8(R) / 8, W = G8 * 16, D2 = (D + 1) / 2;
-    for (int e = 0; e < D2; ++e)
-      for (int g = 0; g < G8; ++g)
-        for (int i = 0; i < 8; ++i)
-          for (int p = 0; p < 2; ++p) {
-            const int r = 8 * g + i, d = 2 * e + p;
-            qt[e * W + g * 16 + 2 * i + p] = r < R && d < D ? q[r * D + d] : 0.f;
-          }
+    const int W = row_pad8(R) * 2, D2 = (D + 1) / 2;
+    std::fill(qt, qt + size_t(D2) * W, 0.f);
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < D; ++d) qt[(d / 2) * W + (r / 8) * 16 + 2 * (r % 8) + d % 2] = q[r * D + d];
     return;
   }
   const int Rp = row_pad(R);
@@ -705,14 +713,19 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       }
     } else
       for (int j = 0; j < nt; ++j) tok[j] = first + i0 + j;
-    // visible prefix of each row (rows' limits are non-decreasing in r)
+    // visible prefix of each row (rows' limits are non-decreasing in r): all of the tile where
+    // row 0 sees the tile's last token of a contiguous range (every tile but the causal edge)
     int ntmax = 0;
-    for (int r = 0; r < R; ++r) {
-      int nv = (r > 0) ? nvis[r - 1] : 0;
-      while (nv < nt && tok[nv] <= rows.pos32[r]) ++nv;
-      nvis[r] = nv;
-      ntmax = std::max(ntmax, nv);
-    }
+    if (!list && tok[nt - 1] <= rows.pos32[0]) {
+      for (int r = 0; r < R; ++r) nvis[r] = nt;
+      ntmax = nt;
+    } else
+      for (int r = 0; r < R; ++r) {
+        int nv = (r > 0) ? nvis[r - 1] : 0;
+        while (nv < nt && tok[nv] <= rows.pos32[r]) ++nv;
+        nvis[r] = nv;
+        ntmax = std::max(ntmax, nv);
+      }
     if (ntmax > 0) {
       if constexpr (std::is_same_v<T, float>) {
         for (int j = 0; j < ntmax; ++j) {
@@ -767,8 +780,8 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
             });
       int r = 0;
       for (; r + kPvMR <= R; r += kPvMR)
-        pv_rows<kPvMR, true>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, {pf_v, r / kPvMR, npv}, acc);
-      if (r < R) pv_tail<true>(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, {pf_v, r / kPvMR, npv}, acc);
+        pv_rows<kPvMR, true>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, {pf_v, v_st, r / kPvMR, npv}, acc);
+      if (r < R) pv_tail<true>(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, {pf_v, v_st, r / kPvMR, npv}, acc);
       continue;
     }
 #endif
@@ -789,6 +802,13 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       for (int j = ntmax; j < nt; ++j)
         for (int rv = 0; rv < NVall; ++rv) st(ws.s + j * Rp + rv * VW, splat(kNegInf));
     }
+    // 1-token blocks (the vegas default): a token's p is its block's sum, stored by the exp pass
+    // below as it makes it (AVX-512: R lanes by a masked store), not read back by walk_block_sums
+#if VEGAS_X86_VEC == 16
+    float* const b1 = blk && blk->block_size == 1 ? blk->bsum + (tok[0] - blk->block0) * R : nullptr;
+#else
+    float* const b1 = nullptr;
+#endif
     // online softmax, vertical over the rows: p overwrites s
     for (int rv = 0; rv < NVall; ++rv) {
       // the tile's max in 4 independent chains (one chain waits on max's latency every token:
@@ -813,19 +833,25 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       alpha = m_old == splat(kNegInf) ? vf{} : alpha;
       st(ws.alpha + rv * VW, alpha);
       vf sum = vf{};
+#if VEGAS_X86_VEC == 16
+      const __mmask16 b1_lanes = static_cast<__mmask16>(R - rv * VW >= VW ? 0xFFFFu : (1u << (R - rv * VW)) - 1);
+#endif
       for (int j = 0; j < nt; ++j) {
         float* s = ws.s + j * Rp + rv * VW;
         const vf x = ld(s);
         vf p = vexp(x - m_new);
         p = x == splat(kNegInf) ? vf{} : p;
         st(s, p);
+#if VEGAS_X86_VEC == 16
+        if (b1) _mm512_mask_storeu_ps(b1 + j * R + rv * VW, b1_lanes, (__m512)p);
+#endif
         sum += p;
       }
       st(l + rv * VW, ld(l + rv * VW) * alpha + sum);
       st(m + rv * VW, m_new);
       if (blk) st(blk->mt + tile * Rp + rv * VW, m_new);
     }
-    if (blk)  // token-major P: whole row vectors per block (Rp - R lanes spill into the next)
+    if (blk && !b1)  // token-major P: whole row vectors per block (Rp - R lanes spill into the next)
       walk_block_sums(
           *blk, R, tok, nt,
           [&](float* b) {
@@ -848,28 +874,60 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
     }
     int r = 0;
     for (; r + kPvMR <= R; r += kPvMR)
-      pv_rows<kPvMR>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, {pf_v, r / kPvMR, npv}, acc);
-    if (r < R) pv_tail(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, {pf_v, r / kPvMR, npv}, acc);
+      pv_rows<kPvMR>(ws.s, Rp, r, vrow, nvis[r + kPvMR - 1], ws.alpha, D, {pf_v, v_st, r / kPvMR, npv}, acc);
+    if (r < R) pv_tail(R - r, ws.s, Rp, r, vrow, nvis[R - 1], ws.alpha, D, {pf_v, v_st, r / kPvMR, npv}, acc);
   }
   if (pvt)
     for (int r = 0; r < R; ++r)
       for (int d = 0; d < D; ++d) acc[r * D + d] = ws.acct[d * Rp + r];
 }
 
+// The factors of the blocks whose last token lies in one tile (see block_reduce): f[r] =
+// w[r] * exp(mt[r] - lse[r]) for r < R, where mt is that tile's running max (as std::exp: 0 where
+// mt[r] = -inf; NaN stays NaN; mt <= lse for every row that saw a token, so no overflow), and 0 in
+// lanes R to row_pad(R). mt, lse, w, f: row_pad(R) floats. Returns whether f[0:R] are all finite.
+inline bool block_factors(const float* mt, const float* lse, const float* w, int R, float* f) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int NV = row_pad(R) / VW;
+  vi lane;
+  for (int i = 0; i < VW; ++i) lane[i] = i;
+  vi finite = vi{} == 0;
+  for (int rv = 0; rv < NV; ++rv) {
+    const vf x = ld(mt + rv * VW);
+    vf e = vexp(x - ld(lse + rv * VW)) * ld(w + rv * VW);
+    e = (x == splat(kNegInf)) | (lane >= R - rv * VW) ? vf{} : e;
+    st(f + rv * VW, e);
+    finite &= e - e == vf{};  // false for inf and NaN
+  }
+  bool all = true;
+  for (int i = 0; i < VW; ++i) all = all && finite[i];
+  return all;
+}
+
 // Block scores of one task's blocks: out[j] = sum_{r < R} f[r] * bsum[j * R + r] for
 // j < nblk, where a zero sum contributes zero even when f is not finite (a poisoned row's
-// NaN reaches only the blocks it has mass in). f has row_pad(R) lanes.
-inline void block_reduce(const float* bsum, int R, const float* f, int64_t nblk, float* out) {
+// NaN reaches only the blocks it has mass in). f has row_pad(R) lanes, 0 past R where
+// `finite` (f[0:R] all finite, as block_factors makes them; the common case): then each block is
+// a plain dot product (its sums are finite wherever f is: a row with a NaN or +inf score has a
+// NaN lse), with no test for zeros.
+inline void block_reduce(const float* bsum, int R, const float* f, bool finite, int64_t nblk, float* out) {
   const int NV = row_pad(R) / VW;
   vi lane;
   for (int i = 0; i < VW; ++i) lane[i] = i;
   vf a[VW];
+  const vi last_keep = lane < R - (NV - 1) * VW;  // the last row vector's lanes < R
   for (int64_t j0 = 0; j0 < nblk; j0 += VW) {
     const int nj = static_cast<int>(std::min<int64_t>(VW, nblk - j0));
     for (int c = 0; c < VW; ++c) {
       a[c] = vf{};
       if (c >= nj) continue;
       const float* b = bsum + (j0 + c) * R;
+      if (finite) {  // lanes >= R belong to the next block: masked (f is 0 there too)
+        for (int rv = 0; rv + 1 < NV; ++rv) a[c] += ld(b + rv * VW) * ld(f + rv * VW);
+        const vf x = ld(b + (NV - 1) * VW);
+        a[c] += (last_keep ? x : vf{}) * ld(f + (NV - 1) * VW);
+        continue;
+      }
       for (int rv = 0; rv < NV; ++rv) {
         const vf x = ld(b + rv * VW);  // lanes >= R belong to the next block: masked
         const vi keep = (x != vf{}) & (lane < R - rv * VW);

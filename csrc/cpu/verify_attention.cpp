@@ -91,10 +91,11 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   float* scp = scores.data_ptr<float>();
 
   // Combine the splits of (b, g) into out / lse, then normalize its block sums (split sp's at
-  // bsum0 + sp * bsum_stride) by the final lse. row_lse, f: Rp floats of scratch.
-  auto finish = [&](int64_t bg, const float* bsum0, float* row_lse, float* f) {
+  // bsum0 + sp * bsum_stride) by the final lse. row_lse, w, f: Rp floats of scratch each.
+  auto finish = [&](int64_t bg, const float* bsum0, float* row_lse, float* w, float* f) {
     const int64_t b = bg / Hkv, g = bg % Hkv;
     const int64_t L = lens[b];
+    for (int r = 0; r < Rp; ++r) w[r] = r < R && qw ? qw[r / G] : 1.f;
     for (int r = 0; r < R; ++r) {
       const int64_t i = r / G, hh = r % G;
       const int64_t idx0 = bg * nsplit * Rp + r;
@@ -119,9 +120,8 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         const int64_t tile = last_tile(j0);
         int64_t j1 = std::min<int64_t>(ceil_div(t0 + (tile + 1) * kTile, bs), ceil_div(t_end, bs));
         while (j1 > j0 + 1 && last_tile(j1 - 1) != tile) --j1;
-        for (int r = 0; r < R; ++r)
-          f[r] = (qw ? qw[r / G] : 1.f) * std::exp(mt[tile * Rp + r] - row_lse[r]);
-        VEGAS_ISA_CALL(block_reduce, bsum + j0 * R, R, f, j1 - j0, sc + j0);
+        const bool finite = VEGAS_ISA_CALL(block_factors, mt + tile * Rp, row_lse, w, R, f);
+        VEGAS_ISA_CALL(block_reduce, bsum + j0 * R, R, f, finite, j1 - j0, sc + j0);
         j0 = j1;
       }
     }
@@ -155,14 +155,14 @@ void verify_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           VEGAS_ISA_CALL(attend<T>, rows, kp + b * kb + g * kh, vp + b * vb + g * vh, kt, vt, nullptr, t0,
                          t1 - t0, ws, m_all + base, l_all + base, acc, &blk);
         }
-        if (finish_in_task) finish(bg, bsum, tb.row_lse.data(), tb.f.data());
+        if (finish_in_task) finish(bg, bsum, tb.row_lse.data(), tb.w.data(), tb.f.data());
       });
 
   if (!finish_in_task)
     parallel_tasks(
-        B * Hkv, R * N, [&] { return std::vector<float>(2 * Rp, 0.f); },  // row_lse | f
+        B * Hkv, R * N, [&] { return std::vector<float>(3 * Rp, 0.f); },  // row_lse | w | f
         [&](std::vector<float>& rs, int64_t bg) {
-          finish(bg, bsum_all + bg * nsplit * bsum_stride, rs.data(), rs.data() + Rp);
+          finish(bg, bsum_all + bg * nsplit * bsum_stride, rs.data(), rs.data() + Rp, rs.data() + 2 * Rp);
         });
   if (q.scalar_type() != at::kFloat) out.copy_(out32);
 }
