@@ -68,6 +68,34 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
+#: ops whose self time counts as the linear layers in ``--profile`` (F.linear, oneDNN's packed linear)
+LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
+              "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+
+
+def profile_forward(fn, dev) -> dict:
+    """Runs ``fn`` once under ``torch.profiler`` (CPU): its wall time and the self time of our
+    ``vegas::*`` ops (attention), of :data:`LINEAR_OPS` and of the rest (wall minus both: the other
+    aten ops and the Python between them), in ms. The profiler adds a little to each op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    attn = lin = 0.0
+    for ev in p.key_averages():
+        if ev.key.startswith("vegas::"):
+            attn += ev.self_cpu_time_total
+        elif ev.key in LINEAR_OPS:
+            lin += ev.self_cpu_time_total
+    wall_ms, attn_ms, lin_ms = wall * 1e3, attn / 1e3, lin / 1e3
+    return dict(wall=round(wall_ms, 2), attention=round(attn_ms, 2), linears=round(lin_ms, 2),
+                other=round(wall_ms - attn_ms - lin_ms, 2))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="2048,4096,8192")
@@ -86,6 +114,9 @@ def main():
     ap.add_argument("--dtype", default="float32")
     add_pack_linears_flag(ap)
     ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timing, run each of our forwards once more under torch.profiler and "
+                         "record where its time went (profile_ms: our attention ops, the linear layers, the rest)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,6 +203,10 @@ def main():
                         sync(dev)
                         if not first:
                             best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
+            prof = None
+            if args.profile:
+                with torch.inference_mode(), patched(model), st.activate():
+                    prof = {k: profile_forward(fns[k], dev) for k in ("full_step", "draft_step", "verify")}
             it = g * best["draft_step"] + best["verify"] + best["select"]
             hf = best.get("hf_step")
             rec = dict(
@@ -188,6 +223,8 @@ def main():
                 pred_speedup_vs_full=round(tau * best["full_step"] / it, 2),
                 pred_speedup_vs_hf=round(tau * hf / it, 2) if hf else None,
             )
+            if prof:
+                rec["profile_ms"] = prof
             print(json.dumps(rec), flush=True)
             if out_f:
                 out_f.write(json.dumps(rec) + "\n")
