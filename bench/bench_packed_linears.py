@@ -10,6 +10,8 @@ an M-row product against row i of the largest).
 
     python bench/bench_packed_linears.py --threads 1 --rows 1 2 4 8 12 16 20 24 28 36 \
         --out bench/results/packed_linears_cpu/smollm2
+
+``--mkl`` adds MKL's packed sgemm (``torch.ops.mkl._mkl_linear``) as a third way.
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def main():
                     help="M values: rows per step (default 1 2 4 8 12 16 20 24 28 36)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--mkl", action="store_true",
+                    help="also time MKL's packed sgemm (torch.ops.mkl._mkl_linear); its weights are packed for "
+                         "one row count, so every --rows value holds one more copy of them")
     ap.add_argument("--out", default=None, help="write OUT.jsonl and OUT.md")
     a = ap.parse_args()
     if a.rounds < 1 or a.threads < 1 or min(a.rows) < 1:
@@ -51,10 +56,13 @@ def main():
     nbytes = sum(w.numel() * 4 for w in W)
     big = torch.ones(nbytes // 4)
 
-    def step(M, packed):
+    def step(M, packed, mkl=False):
         xs = {}
         for w in W:
             xs.setdefault(w.shape[1], torch.randn(M, w.shape[1]))
+        if mkl:
+            PM = [torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in W]
+            return lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, M) for w, p in zip(W, PM)]
         if packed:
             return lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                             for w, p in zip(W, P)]
@@ -64,6 +72,8 @@ def main():
     for M in a.rows:
         fns[("F.linear", M)] = step(M, False)
         fns[("packed", M)] = step(M, True)
+        if a.mkl:
+            fns[("mkl", M)] = step(M, False, mkl=True)
     t = {k: [] for k in fns}
     with torch.inference_mode():
         for f in fns.values():
@@ -94,6 +104,9 @@ def main():
                          speedup=round(fl / pk, 3), flinear_gbs=round(nbytes / fl / 1e9, 2),
                          packed_gbs=round(nbytes / pk / 1e9, 2), flinear_gflops=round(flops / fl / 1e9, 1),
                          packed_gflops=round(flops / pk / 1e9, 1), packed_same_bits_as_largest_m=invariant[M]))
+        if a.mkl:
+            mk = med[("mkl", M)]
+            rows[-1].update(mkl_ms=round(mk * 1e3, 2), mkl_gflops=round(flops / mk / 1e9, 1))
     lines = [f"# Linears per decoding step: F.linear vs oneDNN-packed weights",
              "",
              f"{meta['device_name']}, {a.threads} thread(s), torch {meta['torch']}, commit {meta['commit']}, "
@@ -108,6 +121,13 @@ def main():
         lines.append(f"| {r['rows']} | {r['flinear_ms']} | {r['packed_ms']} | {r['speedup']:.2f}x | "
                      f"{r['flinear_gbs']} | {r['packed_gbs']} | {r['packed_gbs'] / read_gbs:.2f} | "
                      f"{'yes' if r['packed_same_bits_as_largest_m'] else 'no'} |")
+    if a.mkl:
+        lines += ["", "MKL's packed sgemm (weights packed for each row count) in the same rounds:", "",
+                  "| M (rows) | MKL packed ms | oneDNN packed ms | F.linear ms | MKL GFLOP/s | oneDNN GFLOP/s |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['rows']} | {r['mkl_ms']} | {r['packed_ms']} | {r['flinear_ms']} | {r['mkl_gflops']} | "
+                         f"{r['packed_gflops']} |")
     print("\n".join(lines))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
