@@ -802,10 +802,14 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       for (int j = ntmax; j < nt; ++j)
         for (int rv = 0; rv < NVall; ++rv) st(ws.s + j * Rp + rv * VW, splat(kNegInf));
     }
-    // 1-token blocks (the vegas default): a token's p is its block's sum, stored by the exp pass
-    // below as it makes it (AVX-512: R lanes by a masked store), not read back by walk_block_sums
+    // 1-token blocks (the vegas default) over contiguous tokens: a token's p is its block's sum,
+    // stored by the exp pass below as it makes it (AVX-512: R lanes by a masked store), not read
+    // back by walk_block_sums. Measured with the whole-tile visibility above and the pointer-stepped
+    // P V prefetch (pv_block), on one Intel Xeon core (AVX-512): the torch-free loop
+    // (bench/cpu_attend_microbench.cpp, R 21, D 64, K/V in L2) 1.08x faster, verify_attention from
+    // DRAM (bench/ab_trees_cpu.py --layers 30, 8K) 1.06-1.08x at Q 5-9 for SmolLM2 batch 4.
 #if VEGAS_X86_VEC == 16
-    float* const b1 = blk && blk->block_size == 1 ? blk->bsum + (tok[0] - blk->block0) * R : nullptr;
+    float* const b1 = blk && !list && blk->block_size == 1 ? blk->bsum + (tok[0] - blk->block0) * R : nullptr;
 #else
     float* const b1 = nullptr;
 #endif
