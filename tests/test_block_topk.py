@@ -121,9 +121,7 @@ def test_deterministic_across_runs_and_threads():
         torch.set_num_threads(n)
 
 
-def test_radix_select_edges_match_reference():
-    """Keys that share their top 11 or 22 bits (neighbouring floats), negative scores, -0 vs
-    +0, infinities and NaN, long rows at the vegas default (one block per token): exact."""
+def _edge_rows():
     g = torch.Generator().manual_seed(5)
     N = 8192
     base = torch.rand(6, N, generator=g)
@@ -135,9 +133,35 @@ def test_radix_select_edges_match_reference():
         torch.where(torch.rand(N, generator=g) < 0.1, torch.tensor(float("nan")), base[2]),
         torch.where(torch.rand(N, generator=g) < 0.2, torch.tensor(float("inf")), -base[3] * 1e30),
     ]
-    scores = torch.stack(rows).view(2, 3, N).contiguous()
-    for kk, sinks in ((1, 0), (410, 1), (4096, 3), (N, 0)):
+    return torch.stack(rows).view(2, 3, N).contiguous()
+
+
+def test_radix_select_edges_match_reference():
+    """Keys that share their top 11 or 22 bits (neighbouring floats), negative scores, -0 vs
+    +0, infinities and NaN, long rows at the vegas default (one block per token): exact."""
+    scores = _edge_rows()
+    N = scores.shape[-1]
+    for kk, sinks in ((1, 0), (410, 1), (4096, 3), (N, 0), (N - 5, 2), (17, 0)):
         k = torch.tensor([kk, max(1, kk // 2)], dtype=torch.int32)
         nc = torch.tensor([N, N - 77], dtype=torch.int32)
         got, want = _run(scores, k, nc, kk, sinks)
         assert torch.equal(got, want), (kk, sinks)
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_narrower_isa_paths_match_reference(isa):
+    """The scalar passes, forced by VEGAS_CPU_ISA in a fresh process (where the processor has
+    AVX-512, the other tests run its 16-keys-at-a-time passes), on the same edge rows."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import test_block_topk as t\n"
+            "t.test_radix_select_edges_match_reference()\n"
+            "t.test_matches_reference_and_threshold(t.CASES[2])\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, VEGAS_CPU_ISA=isa),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
