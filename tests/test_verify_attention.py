@@ -311,3 +311,27 @@ def test_nonfinite_key_in_fully_visible_tiles_matches_reference(shape, bs):
         for g, w in zip(got if sign < 0 else got[:1], want):
             assert torch.isfinite(w).all() or sign > 0
             torch.testing.assert_close(g, w, equal_nan=True, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("Q", [4, 12, 30])  # R 4 (tokens in lanes), 12 (pair QK), 30 (rows in lanes)
+def test_poisoned_row_leaves_blocks_across_a_tile_edge_it_does_not_see_finite(Q):
+    """Query 0 sees tokens <= L - Q and alone gets a +inf score (token 10): its lse is NaN and, as
+    documented, its NaN reaches only the blocks it has mass in. Block 21 (tokens 63-65 at block
+    size 3) straddles the 64-token tile edge past what query 0 sees: rescaling its sum begun in
+    the first tile by that row's alpha = exp(inf - inf) = NaN must keep the row's zero, so the block
+    score is finite and equals the reference's."""
+    D, L, bs = 8, Q + 62, 3
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, Q, 1, D, generator=g)
+    k = torch.randn(1, 1, L, D, generator=g)
+    v = torch.randn(1, 1, L, D, generator=g)
+    q[0, :, 0, 0] = -q[0, :, 0, 0].abs() - 0.1
+    q[0, 0, 0, 0] = 1.0
+    k[0, 0, 10, 0] = float("inf")
+    lens = torch.tensor([L], dtype=torch.int32)
+    out, lse, bsc = torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None)
+    want_out, want_lse, want_bsc = reference.verify_attention(q, k, v, lens, bs, D ** -0.5)
+    assert torch.isnan(lse[0, 0, 0]) and torch.isfinite(lse[0, 0, 1:]).all()
+    assert torch.isfinite(want_bsc[0, 0, 21]) and torch.isfinite(bsc[0, 0, 21])
+    torch.testing.assert_close(bsc[0, 0, 21:], want_bsc[0, 0, 21:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 1:], want_out[0, 1:], atol=1e-5, rtol=1e-5)

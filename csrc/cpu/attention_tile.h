@@ -771,7 +771,10 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
       softmax_few(R, nvis, ws.s, m, l, ws.alpha, blk ? blk->mt + tile * Rp : nullptr);
       if (blk)  // row-major P: R scalars per block
         walk_block_sums(
-            *blk, R, tok, nt, [&](float* b) { for (int r = 0; r < R; ++r) b[r] *= ws.alpha[r]; },
+            *blk, R, tok, nt,
+            [&](float* b) {  // a zero sum stays zero (a poisoned row's alpha is NaN: see below)
+              for (int r = 0; r < R; ++r) b[r] = b[r] == 0.f ? 0.f : b[r] * ws.alpha[r];
+            },
             [&](float* b, int j, bool first) {
               if (first)
                 for (int r = 0; r < R; ++r) b[r] = ws.s[r * kTile + j];
@@ -858,8 +861,13 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
     if (blk && !b1)  // token-major P: whole row vectors per block (Rp - R lanes spill into the next)
       walk_block_sums(
           *blk, R, tok, nt,
-          [&](float* b) {
-            for (int rv = 0; rv < NVall; ++rv) st(b + rv * VW, ld(b + rv * VW) * ld(ws.alpha + rv * VW));
+          [&](float* b) {  // a block begun in an earlier tile: its sums rescaled, a zero sum kept zero
+                           // (a row poisoned by a +inf score has alpha = exp(inf - inf) = NaN, and
+                           // its NaN must reach only the blocks it has mass in)
+            for (int rv = 0; rv < NVall; ++rv) {
+              const vf x = ld(b + rv * VW);
+              st(b + rv * VW, x == vf{} ? vf{} : x * ld(ws.alpha + rv * VW));
+            }
           },
           [&](float* b, int j, bool first) {
             const float* p = ws.s + j * Rp;
