@@ -11,7 +11,8 @@ random K/V per row, then times single forwards, interleaved and repeated, keepin
 * ``select``: one ``block_topk`` over all layers.
 
 and prints the speedups the cost model predicts for a mean acceptance length ``tau`` (given or
-1 + 0.8 * gamma): ``tau * full_step / (gamma * draft_step + verify + select)``.
+1 + 0.8 * gamma): ``tau * full_step / (gamma * draft_step + verify + select)``. ``--profile`` adds,
+per forward, where its time went (our attention ops, the linear layers, the rest; torch.profiler).
 
 On a GPU (the end-to-end step of bench/gpu_check.sh): a random-weight model of Llama-3-8B's shape
 (weights cannot travel to the GPU machine; step times do not depend on their values), bf16,
