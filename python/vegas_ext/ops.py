@@ -311,7 +311,11 @@ def verify_attention(
     Non-finite K (CPU kernel): a row whose visible scores are all ``-inf`` gets ``out`` 0 and
     ``lse`` ``-inf`` (the reference's softmax gives NaN there); a ``+inf`` or NaN score makes
     that row's ``out`` and ``lse`` NaN (the reference: ``lse`` ``+inf``) and its block scores NaN
-    where it has mass. Rows that see only finite scores are unaffected.
+    where it has mass. Rows that see only finite scores are unaffected. Non-finite V: the rows that
+    see such a token get a non-finite ``out``; rows that do not see it stay finite in most paths
+    (the reference's dense ``P @ V`` makes them NaN, ``0 * inf``; AVX2's transposed P·V does too).
+    Non-finite ``query_weights`` are not rejected: they make a block score non-finite where that
+    query has mass (the reference: every block).
     """
     _require_tensors("verify_attention", q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
                      query_weights_opt=query_weights)
