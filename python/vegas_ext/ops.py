@@ -312,8 +312,9 @@ def verify_attention(
     ``lse`` ``-inf`` (the reference's softmax gives NaN there); a ``+inf`` or NaN score makes
     that row's ``out`` and ``lse`` NaN (the reference: ``lse`` ``+inf``) and its block scores NaN
     where it has mass. Rows that see only finite scores are unaffected. Non-finite V: the rows that
-    see such a token get a non-finite ``out``; rows that do not see it stay finite in most paths
-    (the reference's dense ``P @ V`` makes them NaN, ``0 * inf``; AVX2's transposed P·V does too).
+    see such a token get a non-finite ``out``; a row that does not see it gets NaN (``0 * inf``, as
+    in the reference's dense ``P @ V``) where the kernel runs it together with one that does (each
+    block of rows goes over the longest visible prefix among them), and stays finite otherwise.
     Non-finite ``query_weights`` are not rejected: they make a block score non-finite where that
     query has mass (the reference: every block).
     """
