@@ -355,24 +355,14 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
                             const float* alpha, int d0, int D, PassPrefetch pf, float* acc) {
   // this block's lines of each prefetched row (16 floats each from d0, inside D), and where this
   // pass's share starts: line k = row k / nl, line k % nl for k from pass * ntok * nl / npass on,
-  // nl / npass of them per token (`per` where npass divides nl, else the remainder carried in
-  // pacc; nl == 0: none), to at most the last row's last line. pp: the next line's address.
+  // nl / npass of them per token (the remainder carried in pacc; nl == 0: none), to at most the
+  // last row's last line. pp: the next line's address.
   const int nl = pf.off == 0 ? 0 : (std::min(D, d0 + ND * VW) - d0 + 15) / 16;
   const int64_t k0 = int64_t(pf.pass) * ntok * nl, first = nl ? k0 / pf.npass : 0;
   int pc = nl ? static_cast<int>(first % nl) : 0;
   const float* pp = vrow[0] + pf.off + d0 + (nl ? first / nl : 0) * pf.stride + 16 * pc;
   const int64_t row_step = pf.stride - 16 * nl;
-  const bool exact = nl % pf.npass == 0;
-  const int per = nl / pf.npass;
   int pacc = static_cast<int>(k0 % pf.npass);
-  auto prefetch_next = [&]() __attribute__((always_inline)) {
-    __builtin_prefetch(pp, 0, kPrefetchLocality);
-    pp += 16;
-    if (++pc == nl) {
-      pc = 0;
-      pp += row_step;
-    }
-  };
   vf a[MR][ND];
   for (int i = 0; i < MR; ++i) {
     const vf al = splat(alpha[r0 + i]);
@@ -382,10 +372,14 @@ static inline void pv_block(const float* p, int Rp, int r0, const float* const* 
   const int ts = kRowP ? 1 : Rp;           // token stride of P
   const float* pt = p + r0 * rs;
   for (int t = 0; t < ntok; ++t, pt += ts) {
-    if (exact)
-      for (int i = 0; i < per; ++i) prefetch_next();
-    else
-      for (pacc += nl; pacc >= pf.npass; pacc -= pf.npass) prefetch_next();
+    for (pacc += nl; pacc >= pf.npass; pacc -= pf.npass) {
+      __builtin_prefetch(pp, 0, kPrefetchLocality);
+      pp += 16;
+      if (++pc == nl) {
+        pc = 0;
+        pp += row_step;
+      }
+    }
     vf v[ND];
     for (int n = 0; n < ND; ++n) v[n] = ld(vrow[t] + d0 + n * VW);
     for (int i = 0; i < MR; ++i) {
