@@ -47,8 +47,8 @@ inline uint32_t score_key(float x) {
 // (bench/results/kernels_cpu_xeon_avx512/block_topk_s16.md).
 #define VEGAS_TOPK_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,popcnt")))
 
-// keys[0:n] = score_key(s[0:n])
-VEGAS_TOPK_AVX512 void keys_avx512(const float* s, int64_t n, uint32_t* keys) {
+// keys[0:j] = score_key(s[0:j]) for the whole 16-key groups of n; returns j (select_top does the rest)
+VEGAS_TOPK_AVX512 int64_t keys_avx512(const float* s, int64_t n, uint32_t* keys) {
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
@@ -60,12 +60,13 @@ VEGAS_TOPK_AVX512 void keys_avx512(const float* s, int64_t n, uint32_t* keys) {
     const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), sign));
     _mm512_storeu_si512(keys + j, _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan), key));
   }
-  for (; j < n; ++j) keys[j] = score_key(s[j]);
+  return j;
 }
 
-// cand[0:w] = the ascending j < n with (keys[j] & pmask) == prefix; returns w.
+// cand[0:w] = the ascending j < j_end with (keys[j] & pmask) == prefix, j_end the whole 16-key
+// groups of n; returns w and sets j_end (select_top does the rest).
 VEGAS_TOPK_AVX512 int64_t compact_avx512(const uint32_t* keys, int64_t n, uint32_t pmask, uint32_t prefix,
-                                         int32_t* cand) {
+                                         int32_t* cand, int64_t& j_end) {
   const __m512i pm = _mm512_set1_epi32(static_cast<int>(pmask)), pre = _mm512_set1_epi32(static_cast<int>(prefix));
   __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
@@ -75,17 +76,15 @@ VEGAS_TOPK_AVX512 int64_t compact_avx512(const uint32_t* keys, int64_t n, uint32
     _mm512_mask_compressstoreu_epi32(cand + w, m, idx);
     w += __builtin_popcount(m);
   }
-  for (; j < n; ++j) {
-    cand[w] = static_cast<int32_t>(j);
-    w += (keys[j] & pmask) == prefix;
-  }
+  j_end = j;
   return w;
 }
 
-// o[0:rest] = j0 + j for the ascending j < n with keys[j] > t, or keys[j] == t and j <= cut (there
-// are exactly `rest` of them).
-VEGAS_TOPK_AVX512 void emit_avx512(const uint32_t* keys, int64_t n, uint32_t t, int64_t cut, int64_t j0,
-                                   int64_t rest, int32_t* o) {
+// o[0:w] = j0 + j for the ascending j < j_end with keys[j] > t, or keys[j] == t and j <= cut (at
+// most `rest` of them), j_end the whole 16-key groups of n; returns w and sets j_end (select_top
+// does the rest).
+VEGAS_TOPK_AVX512 int64_t emit_avx512(const uint32_t* keys, int64_t n, uint32_t t, int64_t cut, int64_t j0,
+                                      int64_t rest, int32_t* o, int64_t& j_end) {
   const __m512i tv = _mm512_set1_epi32(static_cast<int>(t)), cv = _mm512_set1_epi32(static_cast<int32_t>(cut));
   const __m512i base = _mm512_set1_epi32(static_cast<int32_t>(j0));
   __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -98,10 +97,8 @@ VEGAS_TOPK_AVX512 void emit_avx512(const uint32_t* keys, int64_t n, uint32_t t, 
     _mm512_mask_compressstoreu_epi32(o + w, static_cast<__mmask16>(m), _mm512_add_epi32(idx, base));
     w += __builtin_popcount(m);
   }
-  for (; j < n && w < rest; ++j) {  // o[w] is written before the test: w < rest keeps it in o
-    o[w] = static_cast<int32_t>(j0 + j);
-    w += (keys[j] > t) | ((keys[j] == t) & (j <= cut));
-  }
+  j_end = j;
+  return w;
 }
 #endif
 
@@ -140,9 +137,9 @@ void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vecto
       std::memset(hist4, 0, sizeof hist4);
       int64_t j = 0;
 #ifdef VEGAS_HAVE_X86_PATHS
-      if (avx512) {
-        keys_avx512(s + j0, n, keys.data());
-        for (; j + 4 <= n; j += 4)
+      if (avx512) {  // the keys of whole 16-key groups first, then their histogram
+        const int64_t jk = keys_avx512(s + j0, n, keys.data());
+        for (; j < jk; j += 4)
           for (int u = 0; u < 4; ++u) ++hist4[u][keys[j + u] >> sh];
       }
 #endif
@@ -172,14 +169,11 @@ void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vecto
     prefix |= dgt << sh;
     pmask |= dm << sh;
     if (pass == 0) {
+      int64_t w = 0, j = 0;
 #ifdef VEGAS_HAVE_X86_PATHS
-      if (avx512) {
-        m = compact_avx512(keys.data(), n, pmask, prefix, cand.data());
-        continue;
-      }
+      if (avx512) w = compact_avx512(keys.data(), n, pmask, prefix, cand.data(), j);
 #endif
-      int64_t w = 0;
-      for (int64_t j = 0; j < n; ++j) {
+      for (; j < n; ++j) {
         cand[w] = static_cast<int32_t>(j);
         w += (keys[j] & pmask) == prefix;
       }
@@ -203,14 +197,12 @@ void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vecto
       cut = cand[i];
       ++seen;
     }
+  // exactly `rest` keys qualify: rest - need above T and need ties
+  int64_t w = 0, j = 0;
 #ifdef VEGAS_HAVE_X86_PATHS
-  if (avx512) {  // exactly `rest` keys qualify: rest - need above T and need ties
-    emit_avx512(keys.data(), n, prefix, cut, j0, rest, o);
-    return;
-  }
+  if (avx512) w = emit_avx512(keys.data(), n, prefix, cut, j0, rest, o, j);
 #endif
-  int64_t w = 0;
-  for (int64_t j = 0; j < n && w < rest; ++j) {
+  for (; j < n && w < rest; ++j) {
     const uint32_t kj = keys[j];
     o[w] = static_cast<int32_t>(j0 + j);
     w += (kj > prefix) | ((kj == prefix) & (j <= cut));
