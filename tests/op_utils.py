@@ -95,3 +95,18 @@ def assert_verify_matches(shape, dtype, case):
     assert max_err(lse, lse_r) <= 1e-4 * max(1.0, lse_r.abs().max().item())
     # block scores are sums of probabilities computed in fp32 from the same inputs
     assert max_err(bsc, bsc_r) <= 1e-4 * Q * (Hq // Hkv)
+
+
+def run_with_isa(script, isa, **fields):
+    """Runs ``script`` (formatted with ``tests`` = the tests folder and ``fields``) in a fresh
+    process with the CPU kernels forced to the instruction set ``isa`` by VEGAS_CPU_ISA (read once
+    per process); it must print "ok" last."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = script.format(tests=str(Path(__file__).parent), **fields)
+    env = dict(os.environ, VEGAS_CPU_ISA=isa)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

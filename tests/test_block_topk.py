@@ -3,6 +3,7 @@ checked by value threshold (flashinfer style), ties, NaN/inf, sinks and padding.
 import pytest
 import torch
 
+from op_utils import run_with_isa
 from vegas_ext import reference
 
 CASES = [  # (B, H, N, max_k, sinks)
@@ -152,16 +153,8 @@ def test_radix_select_edges_match_reference():
 def test_narrower_isa_paths_match_reference(isa):
     """The scalar passes, forced by VEGAS_CPU_ISA in a fresh process (where the processor has
     AVX-512, the other tests run its 16-keys-at-a-time passes), on the same edge rows."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-            "import test_block_topk as t\n"
-            "t.test_radix_select_edges_match_reference()\n"
-            "t.test_matches_reference_and_threshold(t.CASES[2])\n"
-            "print('ok')\n")
-    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, VEGAS_CPU_ISA=isa),
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_with_isa("import sys; sys.path.insert(0, {tests!r})\n"
+                 "import test_block_topk as t\n"
+                 "t.test_radix_select_edges_match_reference()\n"
+                 "t.test_matches_reference_and_threshold(t.CASES[2])\n"
+                 "print('ok')\n", isa)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, shape_id, verify_case
+from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, run_with_isa, shape_id, verify_case
 from vegas_ext import ops, reference
 
 SHAPES = ATTN_SHAPES
@@ -209,22 +209,7 @@ def test_avx2_transposed_pv_matches_reference_on_a_nonfinite_value():
     (0 * inf), as in the reference; lse and block scores stay finite."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("needs an AVX2 processor")
-    _run_with_isa(INF_V_SCRIPT, "avx2")
-
-
-def _run_with_isa(script, isa, **fields):
-    """Runs ``script`` (formatted with ``tests`` = this folder and ``fields``) in a fresh process
-    with the main loop forced to ``isa`` by VEGAS_CPU_ISA (read once per process); it must print
-    "ok" last."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = script.format(tests=str(Path(__file__).parent), **fields)
-    env = dict(os.environ, VEGAS_CPU_ISA=isa)
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+    run_with_isa(INF_V_SCRIPT, "avx2")
 
 
 ISA_SCRIPT = r"""
@@ -253,7 +238,7 @@ def test_narrower_isa_paths_match_reference(isa):
     """The baseline and AVX2 builds of the main loop (the AVX-512 one runs everywhere else in
     these tests where the processor has it), forced by VEGAS_CPU_ISA in a fresh process."""
     shapes = EDGE_SHAPES[:8] + [(2, 7, 9, 3, 64, 300, 16), (2, 1, 8, 2, 128, 257, 1), (1, 9, 9, 3, 38, 170, 1)]
-    _run_with_isa(ISA_SCRIPT, isa, shapes=shapes)
+    run_with_isa(ISA_SCRIPT, isa, shapes=shapes)
 
 
 @pytest.mark.parametrize("hq", [3, 9])  # R = 6 (tokens in lanes) and R = 18 (AVX-512: pair QK)
