@@ -384,7 +384,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tmp" / "kernels_cpu",
-                    help="output prefix (.jsonl, .md); the committed results are bench/results/kernels_cpu.*")
+                    help="output prefix (.jsonl, .md); the committed results are in bench/results/kernels_*/")
     args = ap.parse_args()
     if args.grid:
         return grid(args)

@@ -9,7 +9,7 @@ once at that rate. Also checks whether the packed results are the same bits for 
 an M-row product against row i of the largest).
 
     python bench/bench_packed_linears.py --threads 1 --rows 1 2 4 8 12 16 20 24 28 36 \
-        --out bench/results/packed_linears_cpu/smollm2
+        --out bench/results/tmp/smollm2
 
 ``--mkl`` adds MKL's packed sgemm (``torch.ops.mkl._mkl_linear``) as a third way.
 """

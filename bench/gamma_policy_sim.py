@@ -13,7 +13,7 @@ plain step that scores the KV blocks, as in ``vegas_ext.decode.step``. Reported:
 decode rate relative to ``full`` (plain decoding) and to the best fixed gamma of the cell,
 medians over seeds.
 
-    python bench/gamma_policy_sim.py --runs bench/results/auto_gamma_cpu/kjv/runs.jsonl --new-tokens 64
+    python bench/gamma_policy_sim.py --runs bench/results/gamma_xeon_avx512/kjv_256tok_b4/runs.jsonl --new-tokens 64
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
 (cache effects between phases, a machine that changes speed; the plain step that scores the
@@ -140,7 +140,7 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default=os.path.join(HERE, "results", "auto_gamma_cpu", "kjv", "runs.jsonl"))
+    ap.add_argument("--runs", default=os.path.join(HERE, "results", "gamma_xeon_avx512", "kjv_256tok_b4", "runs.jsonl"))
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.75, 0.85, 0.92],
                     help="per-position conditional acceptance rates to simulate")

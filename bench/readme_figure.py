@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The README's picture: mean acceptance length of vegas / quest / streamingllm vs KV budget.
 
-Pools the committed CPU grid (``bench/results/grid_cpu/part_*/runs.jsonl``: contexts 2K/4K/8K,
+Pools the committed CPU grid (``bench/results/acceptance_grid_xeon_avx512/part_*/runs.jsonl``: contexts 2K/4K/8K,
 batch 1 and 4, three documents, 32 new tokens per row, greedy) per algorithm, γ and budget ratio:
 mean acceptance length = 1 + all accepted draft tokens / all drafts. One panel per γ. Prints the
-pooled values (the README's and ``grid_cpu/README.md``'s tables) and writes the PNG.
+pooled values (the README's and ``acceptance_grid_xeon_avx512/README.md``'s tables) and writes the PNG.
 
-    python bench/readme_figure.py [RUNS.jsonl ...] [--out bench/results/grid_cpu/acceptance_vs_budget.png]
+    python bench/readme_figure.py [RUNS.jsonl ...] [--out bench/results/acceptance_grid_xeon_avx512/acceptance_vs_budget.png]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import os
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_RUNS = sorted(glob.glob(os.path.join(HERE, "results", "grid_cpu", "part_*", "runs.jsonl")))
+DEFAULT_RUNS = sorted(glob.glob(os.path.join(HERE, "results", "acceptance_grid_xeon_avx512", "part_*", "runs.jsonl")))
 ALGOS = ("vegas", "quest", "streamingllm")
 
 
@@ -41,11 +41,11 @@ def pooled(paths):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", default=DEFAULT_RUNS, help="runs.jsonl files (default: the CPU grid)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "grid_cpu", "acceptance_vs_budget.png"),
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "acceptance_grid_xeon_avx512", "acceptance_vs_budget.png"),
                     help="PNG to write")
     args = ap.parse_args(argv)
     if not args.runs:
-        ap.error("no runs.jsonl given and none found under bench/results/grid_cpu/")
+        ap.error("no runs.jsonl given and none found under bench/results/acceptance_grid_xeon_avx512/")
     acc, blocks = pooled(args.runs)
     gammas = sorted({g for _, g, _ in acc})
     ratios = sorted({r for _, _, r in acc})

@@ -4,7 +4,7 @@ vegas_ext plugin, on the embedded SmolLM2-135M, at several contexts x batch size
 Run in the vLLM venv (scripts/test_vllm.sh makes one):
 
     python bench/vllm_e2e.py --contexts 2048 4096 8128 --batches 1 4 16 --new-tokens 64 \
-        --out bench/results/vllm_cpu
+        --out bench/results/tmp/vllm_e2e
 
 One engine per method, each in its own process (the stock methods with the plugin filtered out of
 every vLLM process, ``VLLM_PLUGINS=""``), all methods in one invocation, one after the other.
@@ -136,7 +136,7 @@ def main():
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--dtype", default="float32", help="model dtype (GPU FlashAttention needs bfloat16/float16)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "vllm_cpu"))
+    p.add_argument("--out", default=os.path.join(HERE, "results", "tmp", "vllm_e2e"))
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)

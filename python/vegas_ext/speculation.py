@@ -192,7 +192,7 @@ class AutoGamma(GammaPolicy):
     3 tokens cost 1.45 plain steps but 4 tokens 1.30 (the line through q = 2, 3 priced q = 4 at
     1.6), and in 3 of 10 runs without climbing the loop drafted 1 token per iteration for most of
     the run (0.90-0.94 of fixed gamma 3; another 3 stayed plain but for probes, 0.88-0.94; 4
-    reached 3-4 drafts, 0.96-1.03; ``bench/results/auto_gamma_cpu/climb/``). With ``climb=True``,
+    reached 3-4 drafts, 0.96-1.03; ``bench/results/gamma_policy_choices/climb/``). With ``climb=True``,
     after ``climb_interval`` speculative iterations in a row that drafted at most ``g``
     (``probe_interval``, doubling after each check up to ``max_probe_interval``, back to
     ``probe_interval`` once the estimates choose a longer draft by themselves), the policy
