@@ -11,7 +11,7 @@ plain decoding at 4K, batch 4 on the same machine). This script decodes one batc
 and prints one JSON line per run (``decode_tokens_per_s`` of ``out.stats``, gamma histogram, mean
 acceptance length) and per configuration the median ratio to ``full`` of the same round.
 
-    python bench/ab_gamma_policy.py --context 4096 --batch 4 --rounds 3 \\
+    python -m bench.ab_gamma_policy --context 4096 --batch 4 --rounds 3 \\
         --variants '{"climb": {"climb": true}, "default": {}, "gamma 3": 3}'
 
 Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults (ratio 0.05, block size 1);
@@ -27,13 +27,10 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from common import add_pack_linears_flag, pack_linears  # noqa: E402
-from e2e import build_batch  # noqa: E402
-from vegas_ext import decode, generate, speculation  # noqa: E402
-from vegas_ext.models import load_model  # noqa: E402
+from bench.common import add_pack_linears_flag, pack_linears
+from bench.e2e import build_batch
+from vegas_ext import decode, generate, speculation
+from vegas_ext.models import load_model
 
 
 def _policy_class(kwargs: dict):

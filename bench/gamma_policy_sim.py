@@ -13,7 +13,7 @@ plain step that scores the KV blocks, as in ``vegas_ext.decode.step``. Reported:
 decode rate relative to ``full`` (plain decoding) and to the best fixed gamma of the cell,
 medians over seeds.
 
-    python bench/gamma_policy_sim.py --runs bench/results/gamma_xeon_avx512/kjv_256tok_b4/runs.jsonl --new-tokens 64
+    python -m bench.gamma_policy_sim --runs bench/results/gamma_xeon_avx512/kjv_256tok_b4/runs.jsonl --new-tokens 64
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
 (cache effects between phases, a machine that changes speed; the plain step that scores the
@@ -37,13 +37,10 @@ import sys
 import numpy as np
 import torch
 
+from bench.common import load_runs
+from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-
-sys.path.insert(0, HERE)
-
-from report import load_runs  # noqa: E402
-from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts  # noqa: E402
 
 
 def cells_from_runs(path, verify_model="line", repeats="first"):

@@ -3,7 +3,7 @@ vegas_ext plugin, on the embedded SmolLM2-135M, at several contexts x batch size
 
 Run in the vLLM venv (scripts/test_vllm.sh makes one):
 
-    python bench/vllm_e2e.py --contexts 2048 4096 8128 --batches 1 4 16 --new-tokens 64 \
+    python -m bench.vllm_e2e --contexts 2048 4096 8128 --batches 1 4 16 --new-tokens 64 \
         --out bench/results/tmp/vllm_e2e
 
 One engine per method, each in its own process (the stock methods with the plugin filtered out of
