@@ -14,16 +14,14 @@ acceptance length) and per configuration the median ratio to ``full`` of the sam
     python -m bench.ab_gamma_policy --context 4096 --batch 4 --rounds 3 \\
         --variants '{"climb": {"climb": true}, "default": {}, "gamma 3": 3}'
 
-Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults (ratio 0.05, block size 1);
-pin it to one core (``taskset -c 0``) on a shared machine.
+Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults
+(ratio 0.05, block size 1); pin it to one core (``taskset -c 0``) on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
 import torch
 
@@ -36,7 +34,11 @@ from vegas_ext.models import load_model
 def _policy_class(kwargs: dict):
     """``AutoGamma`` with ``kwargs`` bound, as a subclass (``generate`` checks its type)."""
     base = speculation.AutoGamma
-    return type("AutoGammaVariant", (base,), {"__init__": lambda self, max_gamma: base.__init__(self, max_gamma, **kwargs)})
+
+    def __init__(self, max_gamma):
+        base.__init__(self, max_gamma, **kwargs)
+
+    return type("AutoGammaVariant", (base,), {"__init__": __init__})
 
 
 def main():

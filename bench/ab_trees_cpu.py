@@ -30,8 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import GRID_SHAPES as SHAPES
-from bench.common import RESULTS, ROOT, command_line, commit_label
+from bench.common import GRID_SHAPES as SHAPES, RESULTS, ROOT, command_line, commit_label
 
 WORKER = r"""
 import json, sys, time, torch
@@ -81,7 +80,7 @@ print(json.dumps(out))
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.ab_trees_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--old-tree", required=True, help="a second checkout with an in-place build")
     ap.add_argument("--shapes", nargs="+", default=["smollm2-b4", "llama3-8b-b1"], choices=sorted(SHAPES))
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
@@ -141,7 +140,8 @@ def markdown(rows, meta, args, argv) -> str:
              + (f" (each call: one per copy of the cache, {args.layers} copies on huge pages, K/V from DRAM; "
                 "time per copy)" if args.layers > 1 else "")
              + ". Speedup = old / new per round, median (min-max).", "",
-             "| shape | S | Q | rows R | new ms | old ms | speedup | new GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+             "| shape | S | Q | rows R | new ms | old ms | speedup | new GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['S']} | {r['Q']} | {r['R']} | {r['new_ms']} | {r['old_ms']} | "
                      f"{r['speedup']} ({r['speedup_min']}-{r['speedup_max']}) | {r['new_gflops'] or '-'} |")

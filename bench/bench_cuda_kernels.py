@@ -139,7 +139,7 @@ def decode_step_check(layers=8, B=8, S=32768, gamma=6, K=1639, Hq=32, Hkv=8, D=1
     with torch.cuda.graph(graph):
         step()
     r["step_ms_graph"] = cuda_time_ms(graph.replay, target_ms=300, max_reps=10)
-    del kc, vc, graph
+    kc = vc = graph = None  # drop the caches (step() holds them) before empty_cache
     torch.cuda.empty_cache()
     return r
 
@@ -149,7 +149,6 @@ def copy_bandwidth():
     x = torch.empty(n, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     ms = cuda_time_ms(lambda: y.copy_(x))
-    del x, y
     return 2 * n / (ms * 1e-3)  # bytes read + written per second
 
 
@@ -245,7 +244,8 @@ def row_line(r, label) -> str:
     sd_txt = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "n/a"
     ratio = f"{r['verify_over_sdpa']:.2f}x" if "verify_over_sdpa" in r else f"n/a ({label})"
     err = f"{r['max_err_vs_sdpa']:.1e}" if "max_err_vs_sdpa" in r else "-"
-    return (f"| {r['S']} | {r['B']} | {r['block_size']} | {r['verify_ms']:.3f} | {r['verify_bytes_per_s'] / 1e12:.2f} | "
+    return (f"| {r['S']} | {r['B']} | {r['block_size']} | {r['verify_ms']:.3f} | "
+            f"{r['verify_bytes_per_s'] / 1e12:.2f} | "
             f"{sd_txt} | {ratio} | {r['draft_ms']:.3f} | {r['draft_bytes_per_s'] / 1e12:.2f} "
             f"({100 * r['draft_frac_of_copy']:.0f} %) | {r['topk_ms']:.3f} ({100 * r['topk_share_of_verify']:.1f} %) | "
             f"{err} | {r['verify_workspace_bytes'] / 1e6:.1f} ({r['verify_workspace_bytes_formula'] / 1e6:.1f}) |")
@@ -311,7 +311,8 @@ def main(argv=None):
     if not args.skip_decode_step:
         ds = decode_step_check()
         rows.append(dict(meta, kind="decode_step", **ds))
-        lines += ["", f"op-level decode step ({ds['layers']} layers, batch {ds['B']}, S {ds['S']}, gamma {ds['gamma']}, "
+        lines += ["", f"op-level decode step ({ds['layers']} layers, batch {ds['B']}, S {ds['S']}, "
+                  f"gamma {ds['gamma']}, "
                   f"block size {ds['block_size']}, K {ds['K']}): host syncs per step {ds['host_syncs_per_step']} "
                   f"(with VEGAS_CUDA_VALUE_CHECKS=1: {ds['host_syncs_per_step_with_value_checks']}); "
                   f"step {ds['step_ms_eager']:.2f} ms eager, {ds['step_ms_graph']:.2f} ms as a CUDA graph"]

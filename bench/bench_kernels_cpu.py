@@ -10,8 +10,9 @@ per thread to a square 1024^3 torch.mm on one thread, and, at Q = 1, the K/V byt
 second against a one-thread tensor copy of the same size (bytes read per second), all measured
 in the same run, medians of wall-clock times (each timed call right after an untimed one; the
 anchors of a cell are timed before its kernel calls, not between them). To compare two builds,
-use ``python -m bench.ab_trees_cpu --old-tree DIR`` (one process per tree at a time). Also block_topk at the vegas default (block size 1: one row
-per (batch, KV head, layer), all layers in one call) and sparse_draft_attention at the vegas
+use ``python -m bench.ab_trees_cpu --old-tree DIR`` (one process per tree at a time). Also
+block_topk at the vegas default (block size 1: one row per (batch, KV head, layer), all layers
+in one call) and sparse_draft_attention at the vegas
 default (5 % of 8K tokens in 1-token blocks, 30 layers' caches, so its gathers come from DRAM;
 --skip-verify: only these). Writes <--out>_grid.{jsonl,md}.
 
@@ -158,7 +159,8 @@ def grid_targets(rows, peak=None):
                                f"{med([r['gflops'] for r in sel]) / peak:.2f} |")
     q1 = [r for r in ver if r["Q"] == 1 and r["threads"] == 1 and "copy_gbs" in r]
     if q1:
-        out.append(f"| Q 1, 1 thread: K/V GB/s / copy >= 0.70 | all shapes, S | {med([r['ratio_copy'] for r in q1]):.2f} |")
+        out.append("| Q 1, 1 thread: K/V GB/s / copy >= 0.70 | all shapes, S | "
+                   f"{med([r['ratio_copy'] for r in q1]):.2f} |")
         out.append("| Q 1, 1 thread: K/V GB/s / read-only stream (stricter) | all shapes, S | "
                    f"{med([r['ratio_read'] for r in q1]):.2f} |")
     key = lambda r: (r["shape"], r["S"], r["Q"], r["block_size"])  # noqa: E731
@@ -182,7 +184,8 @@ def grid_targets(rows, peak=None):
 
 
 def _grid_header(meta, peak, load0):
-    hdr = ("| shape | S | Q | bs | thr | sgemm GF/s | ms | GF/s | ratio | copy GB/s | read GB/s | GB/s | /copy | /read |")
+    hdr = ("| shape | S | Q | bs | thr | sgemm GF/s | ms | GF/s | ratio | copy GB/s | read GB/s | GB/s | /copy "
+           "| /read |")
     lines = [f"# verify_attention grid: {meta['device_name']}, torch {meta['torch']}, fp32 cache, commit "
              f"{meta['commit']}, load average at start {load0[0]:.1f}", "",
              "Ratios: GFLOP/s per thread / one-thread 1024^3 torch.mm GFLOP/s; Q = 1: K/V GB/s / one-thread copy "
@@ -221,7 +224,8 @@ def grid_cell(ops, meta, shape, S, threads, Q, bs, repeats):
     r = dict(meta, kernel="verify_attention", shape=shape, B=B, Hq=Hq, Hkv=Hkv, D=D, S=S, Q=Q, block_size=bs,
              threads=threads, dtype="float32", sgemm_gflops=g_mm, load_avg=os.getloadavg()[0], ms=t * 1e3,
              gflops=gf, ratio_sgemm_per_thread=gf / threads / g_mm)
-    line = f"| {shape} | {S} | {Q} | {bs} | {threads} | {g_mm:.0f} | {t * 1e3:.2f} | {gf:.1f} | {gf / threads / g_mm:.2f}"
+    line = (f"| {shape} | {S} | {Q} | {bs} | {threads} | {g_mm:.0f} | {t * 1e3:.2f} | {gf:.1f} | "
+            f"{gf / threads / g_mm:.2f}")
     if Q != 1:
         return r, line + " | - | - | - | - | - |"
     g_cp, g_rd = kv_bytes / statistics.median(cp) / 1e9, kv_bytes / statistics.median(rd) / 1e9

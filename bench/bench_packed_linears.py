@@ -16,8 +16,6 @@ an M-row product against row i of the largest).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -80,8 +78,10 @@ def same_bits_across_rows(W, P, rows):
     Mx = max(rows)
     xs = [torch.randn(Mx, w.shape[1]) for w in W]
     fulls = [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, P)]
-    return {M: all(torch.equal(full[:M], torch.ops.mkldnn._linear_pointwise(x[:M].contiguous(), p, None, "none", [], ""))
-                   for x, p, full in zip(xs, P, fulls))
+    def packed(x, p):
+        return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    return {M: all(torch.equal(full[:M], packed(x[:M].contiguous(), p)) for x, p, full in zip(xs, P, fulls))
             for M in rows}
 
 

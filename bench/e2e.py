@@ -33,17 +33,13 @@ import json
 import os
 import platform
 import shlex
-import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from bench.common import add_pack_linears_flag, git_commit, pack_linears, sync
-from bench.common import fmt as _f
-from bench.common import median as _med
+from bench.common import add_pack_linears_flag, fmt as _f, git_commit, median as _med, pack_linears, sync
 from vegas_ext import documents, models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -530,7 +526,7 @@ def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], m
                      command: Optional[str] = None) -> str:
     """Markdown table: medians over repeats per (document, context, batch, configuration)."""
     lines = [
-        f"# End-to-end decoding benchmark",
+        "# End-to-end decoding benchmark",
         "",
         f"Command: `{command}`" if command else "",
         "",

@@ -184,7 +184,7 @@ def _grid_aggregates(records, cells, algos, ratio_vs, met) -> List[str]:
         lines.append(f"* vegas / quest MAL: geometric mean {fmt(gmean(rv))} (min {fmt(min(rv))}, max "
                      f"{fmt(max(rv))}); vegas above quest in {met['quest']} of {n} cells.")
     by_gamma = defaultdict(lambda: defaultdict(list))
-    for (ctx, B, g, ratio), by_algo in cells.items():
+    for (_ctx, _batch, g, _ratio), by_algo in cells.items():
         for a in algos:
             by_gamma[g][a] += by_algo.get(a, [])
     for g in sorted(by_gamma, key=lambda x: (isinstance(x, str), str(x) if isinstance(x, str) else x)):

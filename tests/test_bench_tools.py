@@ -130,7 +130,8 @@ def tiny_doc_model_dir(tmp_path_factory):
     tk = Tokenizer(tmodels.WordLevel(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     texts = [documents.load_document(d)[:200_000] for d in ("pride_and_prejudice", "kjv")]
-    tk.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tk.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=600, special_tokens=specials))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                   unk_token="<unk>")
     tok.save_pretrained(folder)
@@ -145,7 +146,8 @@ def tiny_doc_model_dir(tmp_path_factory):
 def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, capsys):
     out = tmp_path / "res"
     argv = ["--model", tiny_doc_model_dir, "--docs", "pride_and_prejudice", "--context-lengths", "200,300",
-            "--batch-sizes", "1,2", "--algorithms", "hf,full,vegas,streamingllm,quest,vegas/first_last/shared/refresh=2/bs=1",
+            "--batch-sizes", "1,2",
+            "--algorithms", "hf,full,vegas,streamingllm,quest,vegas/first_last/shared/refresh=2/bs=1",
             "--num-speculative-tokens", "3", "--ratios", "0.05,0.1", "--min-tokens", "16", "--max-new-tokens", "6",
             "--repeats", "1", "--out", str(out), "--threads", "1"]
     assert e2e.main(argv) == 0
@@ -168,7 +170,8 @@ def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, 
     assert any(r["algorithm"] == "quest" and r["time_select_inline_s"] > 0 for r in recs)
     md = (out / "summary.md").read_text()
     assert "python -m bench.e2e --model" in md and "bound" in md
-    for png in ("mal_vs_ratio.png", "tokens_per_s_vs_context.png", "per_position_acceptance.png", "selection_overhead.png"):
+    for png in ("mal_vs_ratio.png", "tokens_per_s_vs_context.png", "per_position_acceptance.png",
+                "selection_overhead.png"):
         assert (out / png).stat().st_size > 1000, png
 
     # the pooled report over the run (as for a grid split over processes): pooled MAL equals a
@@ -214,7 +217,8 @@ def test_decode_step_costs_random_model_smoke(tmp_path):
     out = tmp_path / "costs.jsonl"
     subprocess.run([sys.executable, "-m", "bench.decode_step_costs", "--model-config", "tiny",
                     "--contexts", "300", "--batches", "2", "--gamma", "3", "--tau", "2.5", "--reps", "1",
-                    "--min-tokens", "16", "--threads", "1", "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+                    "--min-tokens", "16", "--threads", "1", "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
     rec = json.loads(out.read_text().splitlines()[0])
     assert rec["model"] == "tiny" and rec["context"] == 300 and rec["batch"] == 2 and rec["block_size"] == 1
     for k in ("full_step_ms", "draft_step_ms", "verify_ms", "select_ms", "hf_step_ms"):
@@ -240,7 +244,8 @@ def _build(src, tmp_path):
 def test_attend_microbench_matches_softmax_sums(tmp_path):
     exe = _build("cpu_attend_microbench.cpp", tmp_path)
     Q, G, D, S = 3, 2, 37, 203
-    r = subprocess.run([exe, str(Q), str(G), str(D), str(S), "5", "2", "2"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([exe, str(Q), str(G), str(D), str(S), "5", "2", "2"], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     m = re.search(r"median ([0-9.]+) ms, ([0-9.]+) GFLOP/s \(acc0 (\S+), l0 (\S+)\)", r.stdout)
     assert m, r.stdout

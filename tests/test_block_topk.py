@@ -3,8 +3,9 @@ checked by value threshold (flashinfer style), ties, NaN/inf, sinks and padding.
 import pytest
 import torch
 
-from op_utils import run_with_isa
 from vegas_ext import reference
+
+from op_utils import run_with_isa
 
 CASES = [  # (B, H, N, max_k, sinks)
     (1, 1, 1, 1, 0),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 from vegas_ext import reference
 from vegas_ext.decode import (
     SELECTION_ALGORITHMS,
@@ -22,6 +21,8 @@ from vegas_ext.decode import (
     register_selection_algorithm,
 )
 from vegas_ext.selection import QuestSelection, StreamingLLMSelection, streaming_indices
+
+from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -256,7 +257,8 @@ def test_quest_metadata_after_generate_matches_cache():
 
 def test_quest_selection_time_is_accounted():
     model, ids, mask, ref = _case("llama", 1)
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm="quest", **SMALL)
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm="quest",
+                   **SMALL)
     s = out.stats
     assert s["time_select_inline_s"] > 0
     assert s["time_select_s"] >= s["time_select_inline_s"] - 1e-9

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, run_with_isa, shape_id, verify_case
 from vegas_ext import ops, reference
+
+from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, run_with_isa, shape_id, verify_case
 
 SHAPES = ATTN_SHAPES
 DTYPES = [torch.float32, torch.bfloat16]
