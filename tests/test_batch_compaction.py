@@ -111,7 +111,8 @@ def test_cache_keep_rows_unit():
     c.keep_rows(torch.tensor([0, 2]))
     assert c.lengths.tolist() == [5, 7] and c.get_seq_length() == 7
     for (k, v), layer in zip(before, c.layers):
-        assert layer.keys.shape == (2, 2, 8, 4) and torch.equal(layer.keys, k[[0, 2]]) and torch.equal(layer.values, v[[0, 2]])
+        assert layer.keys.shape == (2, 2, 8, 4)
+        assert torch.equal(layer.keys, k[[0, 2]]) and torch.equal(layer.values, v[[0, 2]])
     c.begin_forward(1)  # writes land in the kept rows' slots
     k_new = torch.full((2, 2, 1, 4), 99.0)
     c.layers[0].update(k_new, k_new)

@@ -1,6 +1,6 @@
 """Self-speculative decoding with verification-guided sparse attention (Vegas, arXiv 2602.07223).
 
-One iteration (see ``shared/VEGAS.md``), each a short function over one :class:`DecodeState`:
+One iteration (the method: ``docs/method.md``), each a short function over one :class:`DecodeState`:
 
 1. :func:`select` -- the next draft's KV blocks (:mod:`vegas_ext.selection`; for ``"vegas"`` the
    top-k blocks by the last verification's scores, sinks first), only when the iteration drafts;
@@ -798,7 +798,7 @@ def generate(
       10 % budget did not raise it; a draft step costs about the same for any of these budgets
       (weights dominate: 57-60 ms at 2K-8K, batch 1), so the paper's 5 % / 256 is kept.
     * ``block_size=None`` -> 1 for ``"vegas"`` (token granularity, the authors' choice): at 4K and
-      8K, batch 4, gamma 6, ratio 0.05, three documents (``bench/results/variants_cpu``, ~220
+      8K, batch 4, gamma 6, ratio 0.05, three documents (``bench/results/variants_xeon_avx512``, ~220
       drafts each) it drafted best -- mean acceptance length 5.28 vs 4.87 with 16-token blocks and
       4.49 with 64 (StreamingLLM 4.32, Quest 4.78), ahead on every document and context -- for a
       selection cost of ~1.5 % of an iteration (one ``block_topk`` over all layers) and, after
@@ -813,7 +813,7 @@ def generate(
       reads all the weights like a plain step; at 2K no gamma wins by more than ~6 %. ``"auto"``
       measures those costs as it decodes and picks the gamma (0 = a plain step) with the most
       expected tokens per second before every iteration; the measurements behind this default
-      are in ``bench/results/auto_gamma_cpu`` (``bench/gamma_report.py``). The paper's gamma 6
+      are in ``bench/results/gamma_xeon_avx512`` (``python -m bench.report gamma``). The paper's gamma 6
       remains available as ``num_speculative_tokens=6``.
     * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
       (``query_weights="all"``): within sampling error of the authors' shared / first-and-last

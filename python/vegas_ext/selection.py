@@ -185,7 +185,7 @@ class VegasSelection(SelectionStrategy):
     between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn")."""
 
     needs_verify_scores = True
-    default_block_size = 1  # token granularity: highest acceptance in bench/results/variants_cpu
+    default_block_size = 1  # token granularity: highest acceptance in bench/results/variants_xeon_avx512
 
     def select(self, ctx: SelectionContext) -> Tensor:
         cfg = self.cfg
