@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Type
 
 import torch
 from torch import Tensor
 
 from . import ops
 from .hf import AttentionState
+
+if TYPE_CHECKING:
+    from .cache import VegasCache
 
 __all__ = [
     "SelectionConfig",

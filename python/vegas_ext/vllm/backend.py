@@ -4,7 +4,8 @@
 :func:`vegas_ext.vllm.register`). Its implementation runs the stock
 ``CPUAttentionBackendImpl.forward`` first -- the output of every forward, verification included, is
 vLLM's own -- and then, only on the target model's forwards while a Vegas proposer is active (the
-:class:`VegasState` that proposer hands to each layer's implementation), computes for every request the attention mass its last γ + 1 queries put on each
+:class:`VegasState` that proposer hands to each layer's implementation), computes for every
+request the attention mass its last γ + 1 queries put on each
 page of the paged cache (:func:`vegas_ext.ops.paged_block_scores` on the K half of the cache) and
 keeps it by layer name for the proposer that runs right after in the same step. Draft forwards and
 engines without a Vegas proposer skip that work.
@@ -12,10 +13,9 @@ engines without a Vegas proposer skip that work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
-
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
@@ -78,7 +78,8 @@ def record_scores(layer, impl, query, key_cache, attn_metadata) -> None:
     :func:`attach_state`); no-op on draft forwards, without a Vegas proposer, outside decoder
     self-attention."""
     st = getattr(impl, "vegas_state", None)
-    if (st is not None and st.collect and not st.drafting and attn_metadata is not None and impl.attn_type == AttentionType.DECODER):
+    if (st is not None and st.collect and not st.drafting and attn_metadata is not None
+            and impl.attn_type == AttentionType.DECODER):
         n = attn_metadata.num_actual_tokens
         num_reqs = attn_metadata.seq_lens.shape[0]
         st.scores[layer.layer_name] = ops.paged_block_scores(
