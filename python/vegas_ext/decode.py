@@ -211,9 +211,10 @@ def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
 
 
 def _model_fingerprint(model) -> tuple:
-    """What identifies a model's weights now: every parameter's and buffer's storage address,
-    in-place version counter, dtype and device (a reload, ``.to()`` or in-place update changes it)."""
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device)
+    """What identifies a model's weights now: every parameter's and buffer's storage (and offset),
+    in-place version counter, dtype and device (a reload, ``.to()`` or in-place update changes it).
+    Not ``data_ptr()``: it materializes a copy-on-write storage, which repacks packed linears."""
+    return tuple((t.untyped_storage()._cdata, t.storage_offset(), t._version, t.dtype, t.device)
                  for t in itertools.chain(model.parameters(), model.buffers()))
 
 
