@@ -344,6 +344,7 @@ def test_unpack_linear_weights():
         assert torch.equal(model(ids, attention_mask=mask).logits, ref)  # nn.Linear again: the same bits
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         unpack_linear_weights("not a model")
+    assert vegas_ext.unpack_linear_weights is unpack_linear_weights
 
 
 def test_linears_with_hooks_or_a_replaced_forward_are_not_packed():
