@@ -106,7 +106,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
-        self.bias = linear.bias
+        self.register_parameter("bias", linear.bias)  # a parameter slot even when None, as nn.Linear
         self.min_rows = min_rows
         self._init_cache()
         self._repack(own_memory=True)
@@ -144,11 +144,12 @@ class PackedLinear(nn.Module):
             self.repacks += packed is not None
             return self._pack
 
-    def _current(self) -> Optional[Tensor]:
+    def _current(self, w: Optional[Tensor] = None) -> Optional[Tensor]:
         """The packed weight when it holds the weight's current value (repacked if it did not),
         None where ``F.linear`` must serve (weight not fp32 CPU, or not watchable)."""
+        if w is None:
+            w = self.weight
         p = self._pack
-        w = self.weight
         # A write through any alias materializes the copy-on-write storage; a new tensor or a new
         # storage (weight.data = ...) fails the identity checks.
         if (p is not None and p[0] is w and w.untyped_storage()._cdata == p[1]
@@ -160,20 +161,21 @@ class PackedLinear(nn.Module):
         return self._repack()[3]
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        packed = self._current()
+        params = self._parameters  # what self.weight returns, without nn.Module.__getattr__ (~1 us)
+        w = params["weight"]
+        packed = self._current(w)
         if packed is None or _autocast_on():
-            return nn.functional.linear(x, w, self.bias)
+            return nn.functional.linear(x, w, params["bias"])
         if (not isinstance(x, Tensor) or x.dtype is not torch.float32 or not x.is_cpu
                 or x.shape[-1:] != (self.in_features,)):
             raise ValueError(f"x: expected a float32 CPU tensor [..., {self.in_features}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)} with shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
+        b = params["bias"]
         if (x.numel() < self.min_rows * self.in_features
                 or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-            return nn.functional.linear(x, w, self.bias)
-        b = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            return nn.functional.linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None if b is None else b.detach(), "none", [], "")
 
     def _apply(self, fn, recurse=True):
         self._pack = None  # .to() / .double() / .cuda(): drop the packed copy of the old weight now
