@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -376,7 +377,9 @@ def test_weights_in_memory_torch_does_not_own_are_copied_and_followed(source, tm
         lin.weight.data = torch.load(tmp_path / "w.pt", mmap=True)
     with pytest.raises(RuntimeError):
         torch._lazy_clone(lin.weight.detach())
-    p = PackedLinear(lin, min_rows=1)
+    with torch.inference_mode():
+        p = PackedLinear(lin, min_rows=1)
+    assert not p.weight.is_inference()  # its own memory is an ordinary tensor: autograd still works
     x = torch.randn(5, 16)
     _close_to_linear(p, x)
     with torch.no_grad():
@@ -388,3 +391,28 @@ def test_weights_in_memory_torch_does_not_own_are_copied_and_followed(source, tm
         y = p(x)
     _close_to_linear(p, x)
     assert p.repacks == 2 and torch.allclose(y, x.sum(-1, keepdim=True) * 0.25 + p.bias, atol=1e-5)
+
+
+def test_threads_calling_a_packed_linear_after_a_write_repack_it_once():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128)
+    p = PackedLinear(lin, min_rows=1)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        lin.weight.data.mul_(-1.0)
+        ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    outs, start = [None] * 8, threading.Barrier(8)
+
+    def run(i):
+        start.wait()
+        with torch.no_grad():
+            outs[i] = p(x)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for y in outs:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert p.repacks == 2

@@ -66,6 +66,14 @@ def _packable_weight(w) -> bool:
             and w.dim() == 2)
 
 
+def _fresh(p: Optional[tuple], w) -> bool:
+    """Whether the cache entry ``p`` (see ``PackedLinear._init_cache``) is of weight ``w`` as it is now.
+    A write through any alias materializes the copy-on-write storage; a new tensor or a new storage
+    (``weight.data = ...``) fails the identity checks."""
+    return (p is not None and p[0] is w and w.untyped_storage()._cdata == p[1]
+            and (p[3] is None or _is_cow(w)))
+
+
 def can_pack(linear: nn.Module) -> bool:
     """Whether :func:`pack_linear_weights` packs ``linear``: an ``nn.Linear`` (not a subclass, not
     already a :class:`PackedLinear`) with an fp32 CPU weight, no hooks and no replaced ``forward``
@@ -124,8 +132,10 @@ class PackedLinear(nn.Module):
         ``own_memory`` (at packing), else an entry without a packed tensor (``F.linear`` until the
         weight is replaced)."""
         with self._pack_lock:
-            self._pack = None  # free the stale pack before building the new one
             w = self.weight
+            if _fresh(self._pack, w):
+                return self._pack  # another thread repacked it meanwhile
+            self._pack = None  # free the stale pack before building the new one
             if not _packable_weight(w):
                 return None
             with torch.no_grad():
@@ -135,7 +145,8 @@ class PackedLinear(nn.Module):
                     _lazy_clone(d)  # w's storage is copy-on-write from now: any write materializes it
                 except RuntimeError:  # memory PyTorch does not own (a file mapping, NumPy, DLPack)
                     if own_memory:
-                        w.data = d.clone()  # the same Parameter object: ties and references keep it
+                        with torch.inference_mode(False):  # a normal tensor even if packed in inference mode
+                            w.data = d.clone()  # the same Parameter object: ties and references keep it
                         _lazy_clone(w.detach())
                     else:
                         packed = None
@@ -150,15 +161,13 @@ class PackedLinear(nn.Module):
         if w is None:
             w = self.weight
         p = self._pack
-        # A write through any alias materializes the copy-on-write storage; a new tensor or a new
-        # storage (weight.data = ...) fails the identity checks.
-        if (p is not None and p[0] is w and w.untyped_storage()._cdata == p[1]
-                and (p[3] is None or _is_cow(w))):
+        if _fresh(p, w):
             return p[3]
         if not _packable_weight(w):
             self._pack = None  # e.g. after weight.data = a bf16 tensor: F.linear
             return None
-        return self._repack()[3]
+        p = self._repack()
+        return None if p is None else p[3]
 
     def forward(self, x: Tensor) -> Tensor:
         params = self._parameters  # what self.weight returns, without nn.Module.__getattr__ (~1 us)
