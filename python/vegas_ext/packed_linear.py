@@ -22,14 +22,15 @@ when the weight changed:
 
 * Every write to the weight through PyTorch is seen, writes through ``.data`` included (they do not
   bump ``weight._version``): packing turns the weight's storage into a copy-on-write one
-  (``torch._lazy_clone``, nothing copied) and the first write through any alias materializes it,
-  which one call per forward (``torch._C._is_cow_tensor``, ~0.2 us) notices; the weight is
-  repacked on the next call. A weight whose storage PyTorch cannot make copy-on-write (a file
-  mapping, as transformers 5 loads safetensors; a NumPy array) gets memory of its own at packing.
-  Not seen: writes that bypass PyTorch (through a NumPy array or DLPack capsule of the weight, or
-  C code keeping its raw pointer); call :func:`unpack_linear_weights`
-  before editing weights that way. Code that calls ``data_ptr()`` on the weight (``torch.save``,
-  ``save_pretrained``) counts as a write: one repack follows, nothing is wrong.
+  (``torch._lazy_clone``, nothing copied), the first write through any alias materializes it, and
+  each call checks that (``torch._C._is_cow_tensor``) with the weight's identity and storage,
+  ~1 us in all (``bench/packed_linear_overhead.py``: within noise of the bare oneDNN op); the
+  weight is repacked on the next call after a write. A weight whose storage PyTorch cannot make
+  copy-on-write (a file mapping, as transformers 5 loads safetensors; a NumPy array) gets memory
+  of its own at packing. Not seen: writes that bypass PyTorch (through a NumPy array or DLPack
+  capsule of the weight kept across a call, or C code keeping its raw pointer); call
+  :func:`unpack_linear_weights` before editing weights that way. Code that calls ``data_ptr()``
+  on the weight (``torch.save``, ``save_pretrained``) counts as a write: one repack follows.
 * A new weight (``linear.weight = ...``, ``weight.data = ...``, ``model.to(dtype or device)``): other
   dtypes and devices, and weights of tensor subclasses, take ``F.linear``; a new fp32 CPU weight is
   packed on its next call. CPU autocast and autograd (grad enabled with a weight or input that
