@@ -265,6 +265,8 @@ def test_decoding_does_not_repack():
         for _ in range(2):
             vegas_ext.generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], prefill_cache=pc)
     model.state_dict()
+    model.to("cpu").float().eval()  # no-op moves
+    hf_greedy(model, ids, mask, 2, eos_token_id=[])
     assert [m.repacks for m in packs] == [1] * len(packs)
 
 
@@ -276,6 +278,7 @@ def test_packed_model_after_dtype_change_runs_as_unpacked(dtype):
     ids, mask = make_prompts(packed.config.vocab_size, [20, 12])
     pack_linear_weights(packed, min_rows=1)
     packed, plain = packed.to(dtype), plain.to(dtype)
+    assert all(m._pack is None for m in packed.modules() if isinstance(m, PackedLinear))  # freed at once
     with torch.no_grad():
         assert torch.equal(packed(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
     assert torch.equal(hf_greedy(packed, ids, mask, 6, eos_token_id=[]), hf_greedy(plain, ids, mask, 6, eos_token_id=[]))

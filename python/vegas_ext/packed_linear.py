@@ -188,8 +188,10 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, packed, None if b is None else b.detach(), "none", [], "")
 
     def _apply(self, fn, recurse=True):
-        self._pack = None  # .to() / .double() / .cuda(): drop the packed copy of the old weight now
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        if not _fresh(self._pack, self.weight):
+            self._pack = None  # .double() / .cuda(): free the old weight's packed copy now, not at the next call
+        return out
 
     def __getstate__(self):
         # the packed tensor is opaque (no deepcopy, no pickle) and only a cache; a lock cannot be pickled
