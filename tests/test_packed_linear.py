@@ -419,3 +419,17 @@ def test_threads_calling_a_packed_linear_after_a_write_repack_it_once():
     for y in outs:
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert p.repacks == 2
+
+
+@pytest.mark.slow  # Inductor's C++ compile: ~20-90 s on a shared 2-core machine
+def test_torch_compile_of_a_packed_linear_runs_f_linear():
+    """Inductor cannot lower the packed op on a non-constant weight ("weight must be a graph
+    constant"); compiled, the module is F.linear (Inductor's freezing packs weights itself)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    f = torch.compile(PackedLinear(lin, min_rows=1))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        lin.weight.data.mul_(2.0)
+        torch.testing.assert_close(f(x), torch.nn.functional.linear(x, lin.weight, lin.bias))

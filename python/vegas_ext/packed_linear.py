@@ -38,6 +38,8 @@ when the weight changed:
 * ``copy.deepcopy``, ``pickle`` and ``torch.save(model)``/``torch.load`` work: the copy packs its own
   weights on its first call. :func:`unpack_linear_weights` turns the modules back into ``nn.Linear``.
 * Linears with hooks or a replaced ``forward`` (accelerate's offloading) are left as they are.
+* Under ``torch.compile`` the modules are ``F.linear`` (Inductor cannot lower the packed op on a
+  weight that is not a graph constant).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ _lazy_clone = getattr(torch, "_lazy_clone", None)
 # Autocast changes what nn.Linear computes; the cheaper private check where this torch has it.
 _autocast_on = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled("cpu"))
 _PLAIN = (nn.Parameter, Tensor)
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 def _packable_weight(w) -> bool:
@@ -173,6 +176,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         params = self._parameters  # what self.weight returns, without nn.Module.__getattr__ (~1 us)
         w = params["weight"]
+        if _compiling():  # Inductor packs constant weights itself (freezing) and cannot lower ours
+            return nn.functional.linear(x, w, params["bias"])
         packed = self._current(w)
         if packed is None or _autocast_on():
             return nn.functional.linear(x, w, params["bias"])
