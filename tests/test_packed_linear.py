@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
+import threading
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import vegas_ext
-from vegas_ext.packed_linear import PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linear_weights
+from vegas_ext.packed_linear import (PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linear_weights,
+                                     unpack_linear_weights)
 
 from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 
@@ -153,3 +158,278 @@ def test_packed_model_decodes_losslessly(family, gamma):
         assert out.stats["num_draft_tokens"] > 0 or gamma == "auto"
         torch.testing.assert_close(model(ids, attention_mask=mask).logits,
                                    ref_model(ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)
+
+
+# --- case 006: a packed model computes what its weights say now ----------------------------------
+
+def _close_to_linear(p, x):
+    """p(x) against F.linear on p's current weight: fp32, a different summation order."""
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x, p.weight, p.bias)
+        torch.testing.assert_close(p(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def _other_packed_weight(w):
+    # another packed module's weight storage: copy-on-write too, so only the identity check sees it
+    return PackedLinear(nn.Linear(w.shape[1], w.shape[0]), min_rows=1).weight.data
+
+
+def _load_state_dict(p):
+    p.load_state_dict({"weight": torch.randn_like(p.weight), "bias": p.bias.detach().clone()})
+
+
+def _sgd_step(p):
+    opt = torch.optim.SGD([p.weight], lr=10.0)
+    with torch.enable_grad():
+        p(torch.randn(5, 16)).square().sum().backward()
+    opt.step()
+
+
+_VIEW = {}  # a view of the weight taken before packing (set by the test)
+
+WRITES = {
+    ".data.mul_": lambda p: p.weight.data.mul_(-2.0),
+    ".data.copy_": lambda p: p.weight.data.copy_(torch.randn_like(p.weight)),
+    ".data[row] =": lambda p: p.weight.data.__setitem__(1, 5.0),
+    ".data.normal_": lambda p: p.weight.data.normal_(),
+    "detach().add_": lambda p: p.weight.detach().add_(1.0),
+    "no_grad mul_": lambda p: p.weight.mul_(3.0),
+    "nn.init.orthogonal_": lambda p: nn.init.orthogonal_(p.weight),
+    "view taken before packing": lambda p: _VIEW["v"].mul_(-1.0),
+    "numpy() then write": lambda p: np.multiply(p.weight.detach().numpy(), 2.0, out=p.weight.detach().numpy()),
+    "load_state_dict": _load_state_dict,
+    "optimizer step": _sgd_step,
+    ".data = new tensor": lambda p: setattr(p.weight, "data", torch.randn_like(p.weight)),
+    ".data = another packed weight": lambda p: setattr(p.weight, "data", _other_packed_weight(p.weight)),
+    "weight = new Parameter": lambda p: setattr(p, "weight", nn.Parameter(torch.randn_like(p.weight))),
+    "set_": lambda p: p.weight.set_(torch.randn(p.weight.shape)),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_packed_linear_sees_every_write_to_its_weight(write):
+    """Each way of changing the weight, those that do not bump ``weight._version`` included
+    (writes through ``.data``): the next call computes with the new values."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    _VIEW["v"] = lin.weight.detach()
+    p = PackedLinear(lin, min_rows=1)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        before = p(x)
+        WRITES[write](p)
+        after = p(x)
+    _close_to_linear(p, x)  # not the old weight's output
+    assert not torch.allclose(before, after, atol=1e-3), "the write changed nothing"
+    assert p.repacks == 2  # the pack at construction and the one the write made necessary
+    with torch.no_grad():
+        p(x)
+    assert p.repacks == 2  # no write since: no repack
+
+
+def test_packed_model_greedy_after_data_edits_equals_unpacked():
+    """The handed case: the same ``.data`` edits on a packed and an unpacked copy of a model; HF
+    greedy and Vegas on the packed one give the unpacked one's tokens, not the old weights' ones."""
+    packed, plain = make_model("llama"), make_model("llama")
+    ids, mask = make_prompts(packed.config.vocab_size, [40, 30, 35, 20])
+    assert pack_linear_weights(packed, min_rows=1) == 2 * 7 + 1
+    before = hf_greedy(packed, ids, mask, 16, eos_token_id=[])
+    with torch.no_grad():
+        for m in (packed, plain):
+            m.lm_head.weight.data.mul_(-1.0)
+            m.model.layers[1].mlp.down_proj.weight.data[:, :32] = 0.5
+            m.model.layers[0].self_attn.q_proj.weight.data.copy_(m.model.layers[0].self_attn.k_proj.weight.data
+                                                                 .repeat(2, 1))
+        torch.testing.assert_close(packed(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits,
+                                   rtol=1e-5, atol=1e-5)
+    ref = hf_greedy(plain, ids, mask, 16, eos_token_id=[])
+    assert not torch.equal(ref, before)  # the edits change the tokens
+    got = hf_greedy(packed, ids, mask, 16, eos_token_id=[])
+    assert torch.equal(got, ref), first_diff(got, ref)
+    with torch.inference_mode():
+        out = vegas_ext.generate(packed, ids, mask, max_new_tokens=16, num_speculative_tokens=3,
+                                 sparse_attn_ratio=0.25, sparse_attn_min_tokens=8, block_size=4, eos_token_id=[])
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+
+
+def test_decoding_does_not_repack():
+    """HF generate, Vegas, and Vegas with a prefill cache (its weight fingerprint) only read the
+    weights: no repack (a repack costs about as much as a few decoding steps)."""
+    model = make_model("llama", tie_word_embeddings=True)
+    ids, mask = make_prompts(model.config.vocab_size, [20, 12])
+    pack_linear_weights(model, min_rows=1)
+    packs = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    hf_greedy(model, ids, mask, 6, eos_token_id=[])
+    pc = {}
+    with torch.inference_mode():
+        for _ in range(2):
+            vegas_ext.generate(model, ids, mask, max_new_tokens=6, eos_token_id=[], prefill_cache=pc)
+    model.state_dict()
+    model.to("cpu").float().eval()  # no-op moves
+    hf_greedy(model, ids, mask, 2, eos_token_id=[])
+    assert [m.repacks for m in packs] == [1] * len(packs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_packed_model_after_dtype_change_runs_as_unpacked(dtype):
+    """After ``model.to(dtype)`` the linears are ``F.linear`` on the converted weights (the same bits
+    as the unpacked model converted alike); back to float32 they are packed again."""
+    packed, plain = make_model("llama"), make_model("llama")
+    ids, mask = make_prompts(packed.config.vocab_size, [20, 12])
+    pack_linear_weights(packed, min_rows=1)
+    packed, plain = packed.to(dtype), plain.to(dtype)
+    assert all(m._pack is None for m in packed.modules() if isinstance(m, PackedLinear))  # freed at once
+    with torch.no_grad():
+        assert torch.equal(packed(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+    assert torch.equal(hf_greedy(packed, ids, mask, 6, eos_token_id=[]), hf_greedy(plain, ids, mask, 6, eos_token_id=[]))
+    packed, plain = packed.float(), plain.float()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert all(m.repacks == 2 for m in packed.modules() if isinstance(m, PackedLinear))
+
+
+def test_packed_linear_with_a_new_weight_of_another_dtype_or_under_autocast_is_f_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    p = PackedLinear(lin, min_rows=1)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, ref = p(x), torch.nn.functional.linear(x, lin.weight, lin.bias)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
+        p.weight.data = p.weight.data.double()
+        p.bias.data = p.bias.data.double()
+        assert torch.equal(p(x.double()), torch.nn.functional.linear(x.double(), p.weight, p.bias))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_packed_model_copies_and_saves(how):
+    """deepcopy, pickle and torch.save/torch.load of a packed model: the same logits, and the copy
+    packs (and follows) its own weights."""
+    model = make_model("llama", tie_word_embeddings=True)
+    ids, mask = make_prompts(model.config.vocab_size, [20, 12])
+    pack_linear_weights(model, min_rows=1)
+    if how == "deepcopy":
+        cp = copy.deepcopy(model)
+    elif how == "pickle":
+        cp = pickle.loads(pickle.dumps(model))
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        cp = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        assert torch.equal(cp(ids, attention_mask=mask).logits, ref)
+        assert cp.lm_head.weight is cp.model.embed_tokens.weight and cp.lm_head.weight is not model.lm_head.weight
+        assert isinstance(cp.lm_head, PackedLinear) and cp.lm_head.repacks == 1
+        cp.lm_head.weight.data.mul_(2.0)  # the copy's weights are its own
+        assert torch.equal(model(ids, attention_mask=mask).logits, ref)
+        unpack_linear_weights(model)
+        model.lm_head.weight.data.mul_(2.0)
+        torch.testing.assert_close(cp(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_unpack_linear_weights():
+    model = make_model("llama", tie_word_embeddings=True)
+    ids, mask = make_prompts(model.config.vocab_size, [20, 12])
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    params = dict(model.named_parameters())
+    assert pack_linear_weights(model) == 2 * 7 + 1
+    assert unpack_linear_weights(model) == 2 * 7 + 1
+    assert unpack_linear_weights(model) == 0
+    assert sum(type(m) is nn.Linear for m in model.modules()) == 2 * 7 + 1
+    assert all(p is params[k] for k, p in model.named_parameters())  # the same parameters
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, ref)  # nn.Linear again: the same bits
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        unpack_linear_weights("not a model")
+    assert vegas_ext.unpack_linear_weights is unpack_linear_weights
+
+
+def test_linears_with_hooks_or_a_replaced_forward_are_not_packed():
+    """Packing a linear replaces the module, which would drop its hooks: such linears stay."""
+    model = make_model("llama")
+    ids, mask = make_prompts(model.config.vocab_size, [20, 12])
+    model.lm_head.register_forward_hook(lambda mod, args, out: out * 2.0)
+    q = model.model.layers[0].self_attn.q_proj
+    q.forward = lambda x: nn.functional.linear(x, q.weight, q.bias) * 0.5
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    assert pack_linear_weights(model, min_rows=1) == 2 * 7 - 1
+    assert type(model.lm_head) is nn.Linear and type(q) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["numpy", "mmap"])
+def test_weights_in_memory_torch_does_not_own_are_copied_and_followed(source, tmp_path):
+    """A weight over a NumPy array or a file mapping (transformers 5 loads safetensors that way)
+    cannot be made copy-on-write: packing gives it memory of its own, and writes are still seen."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    if source == "numpy":
+        arr = lin.weight.detach().numpy().copy()
+        lin.weight.data = torch.from_numpy(arr)
+    else:
+        torch.save(lin.weight.detach(), tmp_path / "w.pt")
+        lin.weight.data = torch.load(tmp_path / "w.pt", mmap=True)
+    with pytest.raises(RuntimeError):
+        torch._lazy_clone(lin.weight.detach())
+    with torch.inference_mode():
+        p = PackedLinear(lin, min_rows=1)
+    assert not p.weight.is_inference()  # its own memory is an ordinary tensor: autograd still works
+    x = torch.randn(5, 16)
+    _close_to_linear(p, x)
+    with torch.no_grad():
+        p.weight.data.mul_(-1.0)
+    _close_to_linear(p, x)
+    assert p.repacks == 2
+    with torch.no_grad():  # a new such weight after packing: F.linear (no copy made behind the user's back)
+        p.weight.data = torch.from_numpy(np.full((8, 16), 0.25, dtype=np.float32))
+        y = p(x)
+    _close_to_linear(p, x)
+    assert p.repacks == 2 and torch.allclose(y, x.sum(-1, keepdim=True) * 0.25 + p.bias, atol=1e-5)
+
+
+def test_threads_calling_a_packed_linear_after_a_write_repack_it_once():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128)
+    p = PackedLinear(lin, min_rows=1)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        lin.weight.data.mul_(-1.0)
+        ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    outs, start = [None] * 8, threading.Barrier(8)
+
+    def run(i):
+        start.wait()
+        with torch.no_grad():
+            outs[i] = p(x)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for y in outs:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert p.repacks == 2
+
+
+@pytest.mark.slow  # Inductor's C++ compile: ~20-90 s on a shared 2-core machine
+def test_torch_compile_of_a_packed_linear_runs_f_linear():
+    """Inductor cannot lower the packed op on a non-constant weight ("weight must be a graph
+    constant"); compiled, the module is F.linear (Inductor's freezing packs weights itself)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    f = torch.compile(PackedLinear(lin, min_rows=1))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        lin.weight.data.mul_(2.0)
+        torch.testing.assert_close(f(x), torch.nn.functional.linear(x, lin.weight, lin.bias))

@@ -27,6 +27,7 @@ _EXPORTS = {
     "generate": "decode",
     "GenerateOutput": "decode",
     "pack_linear_weights": "packed_linear",
+    "unpack_linear_weights": "packed_linear",
 }
 # submodules that need the compiled ops loaded first (everything torch-side)
 _TORCH_SUBMODULES = {"ops", "reference", "cache", "hf", "decode", "selection"}
@@ -34,7 +35,7 @@ _TORCH_SUBMODULES = {"ops", "reference", "cache", "hf", "decode", "selection"}
 _NEEDS_ALL_ALGORITHMS = {"generate", "GenerateOutput", "decode", "selection"}
 
 __all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "generate",
-           "GenerateOutput", "pack_linear_weights", "__version__"]
+           "GenerateOutput", "pack_linear_weights", "unpack_linear_weights", "__version__"]
 
 
 def __getattr__(name):

@@ -234,16 +234,24 @@ _MODULE_INTERNALS = frozenset((
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
+def _tensor_key(t: Tensor) -> tuple:
+    """A tensor's identity for :func:`_model_fingerprint`: storage (and offset), in-place version,
+    dtype, device, shape. Not ``data_ptr()``: it materializes a copy-on-write storage, which makes
+    packed linears repack (see :mod:`vegas_ext.packed_linear`)."""
+    try:
+        st = t.untyped_storage()
+        return ("tensor", st._cdata, t.storage_offset(), t._version, t.dtype, t.device, tuple(t.shape))
+    except (RuntimeError, NotImplementedError):  # no storage (an opaque oneDNN tensor): the object itself
+        return ("opaque tensor", id(t), t.layout, t.dtype, t.device, tuple(t.shape))
+
+
 def _plain(v, where: str, depth: int = 0):
     """A hashable snapshot of ``v`` if it is plain data (scalars, dtypes, tensors by storage and
     version, and tuples / lists / sets / dicts of them); raises :class:`_NotFingerprintable`."""
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, Tensor):
-        try:
-            return ("tensor", v.data_ptr(), v._version, v.dtype, v.device, tuple(v.shape))
-        except RuntimeError:  # no storage (an opaque oneDNN / packed weight): the object itself
-            return ("opaque tensor", id(v), v.layout, v.dtype, v.device, tuple(v.shape))
+        return _tensor_key(v)
     if depth < 4:
         if isinstance(v, (tuple, list)):
             return (type(v).__name__,) + tuple(_plain(x, where, depth + 1) for x in v)
@@ -286,10 +294,11 @@ def _model_fingerprint(model) -> dict:
             raise _NotFingerprintable(f"a forward hook on {where}")
         for t in itertools.chain(mod._parameters.values(), mod._buffers.values()):
             if t is not None:
-                weights.append((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)))
+                weights.append(_tensor_key(t))
         attrs = []
+        caches = getattr(type(mod), "function_independent_attrs", ())  # e.g. PackedLinear's pack
         for k, v in vars(mod).items():
-            if k in _MODULE_INTERNALS or k.startswith("_vegas"):  # ours: patched() scope bookkeeping
+            if k in _MODULE_INTERNALS or k.startswith("_vegas") or k in caches:  # _vegas*: patched() bookkeeping
                 continue
             if k == "generation_config" or k == "config":  # decoding options / snapshot below
                 if k == "config" and id(v) not in configs:
@@ -297,7 +306,8 @@ def _model_fingerprint(model) -> dict:
                 continue
             attrs.append((k, _plain(v, f"{where}.{k}")))
         modules.append((name, type(mod), tuple(attrs)))
-    dev = weights[0][3].type if weights else "cpu"
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    dev = first.device.type if first is not None else "cpu"
     try:
         amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
     except (RuntimeError, TypeError, AttributeError):

@@ -15,85 +15,203 @@ at 1-3 rows, where ``F.linear`` streams the weights as a matrix-vector product. 
 also the same bits for every number of rows from 2 to 36 (row i of a 4-row product equals row i
 of a 36-row one); this is what that oneDNN build did, not a guarantee.
 
-Only CPU fp32 linears are packed (other dtypes and devices were not measured and keep
-``F.linear``). The original weight stays on the module (state dicts, tied embeddings and
-fingerprints keep working), so the linears' weights are held twice; an in-place change of the
-weight is seen (the pack is redone on the next call).
+Only CPU fp32 linears are packed; the module computes what ``nn.Linear`` would on its weight as it
+is *now*. The weight stays the real ``nn.Parameter`` (state dicts, tied embeddings, fingerprints and
+optimizers see it); the packed copy is a cache of it, never saved, copied or pickled, and rebuilt
+when the weight changed:
+
+* Every write to the weight through PyTorch is seen, writes through ``.data`` included (they do not
+  bump ``weight._version``): packing turns the weight's storage into a copy-on-write one
+  (``torch._lazy_clone``, nothing copied), the first write through any alias materializes it, and
+  each call checks that (``torch._C._is_cow_tensor``) with the weight's identity and storage,
+  ~1 us in all (``bench/packed_linear_overhead.py``: within noise of the bare oneDNN op); the
+  weight is repacked on the next call after a write. A weight whose storage PyTorch cannot make
+  copy-on-write (a file mapping, as transformers 5 loads safetensors; a NumPy array) gets memory
+  of its own at packing. Not seen: writes that bypass PyTorch (through a NumPy array or DLPack
+  capsule of the weight kept across a call, or C code keeping its raw pointer); call
+  :func:`unpack_linear_weights` before editing weights that way. Code that calls ``data_ptr()``
+  on the weight (``torch.save``, ``save_pretrained``) counts as a write: one repack follows.
+* A new weight (``linear.weight = ...``, ``weight.data = ...``, ``model.to(dtype or device)``): other
+  dtypes and devices, and weights of tensor subclasses, take ``F.linear``; a new fp32 CPU weight is
+  packed on its next call. CPU autocast and autograd (grad enabled with a weight or input that
+  requires grad) take ``F.linear`` too, as ``nn.Linear`` would compute them.
+* ``copy.deepcopy``, ``pickle`` and ``torch.save(model)``/``torch.load`` work: the copy packs its own
+  weights on its first call. :func:`unpack_linear_weights` turns the modules back into ``nn.Linear``.
+* Linears with hooks or a replaced ``forward`` (accelerate's offloading) are left as they are.
+* Under ``torch.compile`` the modules are ``F.linear`` (Inductor cannot lower the packed op on a
+  weight that is not a graph constant).
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PACKED_MIN_ROWS", "PackedLinear", "can_pack", "pack_linear_weights"]
+__all__ = ["PACKED_MIN_ROWS", "PackedLinear", "can_pack", "pack_linear_weights", "unpack_linear_weights"]
 
 #: Fewest rows (product of the input's leading dimensions) that take the packed weights; fewer
 #: take ``F.linear`` (faster there on the machine measured, see the module docstring).
 PACKED_MIN_ROWS = 4
 
+# The copy-on-write storage that tells a write through any alias (``.data`` included) from none.
+_is_cow = getattr(torch._C, "_is_cow_tensor", None)
+_lazy_clone = getattr(torch, "_lazy_clone", None)
+# Autocast changes what nn.Linear computes; the cheaper private check where this torch has it.
+_autocast_on = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: torch.is_autocast_enabled("cpu"))
+_PLAIN = (nn.Parameter, Tensor)
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
+def _packable_weight(w) -> bool:
+    """An fp32 CPU strided 2-D weight of plain type (tensor subclasses keep their own ``F.linear``)."""
+    return (type(w) in _PLAIN and w.dtype is torch.float32 and w.is_cpu and w.layout is torch.strided
+            and w.dim() == 2)
+
+
+def _fresh(p: Optional[tuple], w) -> bool:
+    """Whether the cache entry ``p`` (see ``PackedLinear._init_cache``) is of weight ``w`` as it is now.
+    A write through any alias materializes the copy-on-write storage; a new tensor or a new storage
+    (``weight.data = ...``) fails the identity checks."""
+    return (p is not None and p[0] is w and w.untyped_storage()._cdata == p[1]
+            and (p[3] is None or _is_cow(w)))
+
 
 def can_pack(linear: nn.Module) -> bool:
-    """Whether :func:`pack_linear_weights` packs ``linear``: an ``nn.Linear`` (not already a
-    :class:`PackedLinear`) with an fp32 CPU weight, and PyTorch built with oneDNN."""
+    """Whether :func:`pack_linear_weights` packs ``linear``: an ``nn.Linear`` (not a subclass, not
+    already a :class:`PackedLinear`) with an fp32 CPU weight, no hooks and no replaced ``forward``
+    (packing would drop them), and PyTorch built with oneDNN and copy-on-write storages (2.3+)."""
     return (type(linear) is nn.Linear and torch.backends.mkldnn.is_available()
-            and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
-            and linear.weight.dim() == 2)
+            and _is_cow is not None and _lazy_clone is not None
+            and _packable_weight(linear.weight) and "forward" not in vars(linear)
+            and not (linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks
+                     or linear._backward_pre_hooks))
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` as ``nn.Linear`` computes it, on the weight packed once for oneDNN.
+    """``y = x W^T + b`` as ``nn.Linear`` computes it, on the weight packed for oneDNN.
 
     Built from an ``nn.Linear`` by :func:`pack_linear_weights`; it shares that module's
-    ``weight`` and ``bias`` parameters (not copies) and adds the packed weight (an opaque
-    ``torch._mkldnn`` tensor, not a parameter or buffer: it is not saved in state dicts).
+    ``weight`` and ``bias`` parameters (not copies) and keeps a packed copy of the weight (an
+    opaque ``torch._mkldnn`` tensor; not a parameter or buffer: never in state dicts, copies or
+    pickles) that is rebuilt whenever the weight changed (see the module docstring for how a
+    write is noticed).
 
-    Forward: ``x`` ``[..., in_features]`` fp32 on CPU -> ``[..., out_features]`` fp32. Inputs of
-    fewer than ``min_rows`` rows take ``F.linear`` on the original weight. Inference only: the
-    packed op has no autograd, so a call with grad enabled and a weight or input that requires
-    grad takes ``F.linear`` too. ``ValueError`` names ``x`` when its last dimension, dtype or
-    device does not fit.
+    Forward: ``x`` ``[..., in_features]`` -> ``[..., out_features]``. With an fp32 CPU weight, ``x``
+    must be a float32 CPU tensor (``ValueError`` naming ``x`` when its last dimension, dtype or
+    device does not fit) and inputs of at least ``min_rows`` rows take the packed weight, fewer
+    take ``F.linear``. With a weight of another dtype or device (after ``model.to(...)``), under
+    CPU autocast, or with grad enabled and a weight or input that requires grad (the packed op has
+    no autograd), it is ``F.linear`` on the current weight, exactly ``nn.Linear``.
     """
+
+    #: Attributes that cache or count, never change the output (the pack follows the weight): the
+    #: prefill cache's fingerprint (:func:`vegas_ext.decode._model_fingerprint`) skips them.
+    function_independent_attrs = ("_pack", "_pack_lock", "repacks")
 
     def __init__(self, linear: nn.Linear, min_rows: int = PACKED_MIN_ROWS):
         super().__init__()
         if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
             raise ValueError(f"min_rows: expected an int >= 1, got {min_rows!r}")
         if not can_pack(linear):
-            raise ValueError(f"linear: expected an nn.Linear with an fp32 CPU weight and a oneDNN build of "
-                             f"PyTorch, got {type(linear).__name__} with "
+            raise ValueError(f"linear: expected an nn.Linear with an fp32 CPU weight and no hooks, and a PyTorch "
+                             f"with oneDNN and copy-on-write storages, got {type(linear).__name__} with "
                              f"{getattr(getattr(linear, 'weight', None), 'dtype', None)} on "
                              f"{getattr(getattr(linear, 'weight', None), 'device', None)}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
-        self.bias = linear.bias
+        self.register_parameter("bias", linear.bias)  # a parameter slot even when None, as nn.Linear
         self.min_rows = min_rows
-        self._packed: Optional[Tensor] = None
-        self._packed_of: tuple = ()
-        self._repack()
+        self._init_cache()
+        self._repack(own_memory=True)
 
-    def _key(self) -> tuple:
-        w = self.weight
-        return (w.data_ptr(), w._version, w.dtype, w.device)
+    def _init_cache(self) -> None:
+        # (weight tensor, its StorageImpl address, that storage (held so the address is not reused),
+        # packed tensor or None) for the weight as it was packed; None when nothing is packed.
+        self._pack: Optional[tuple] = None
+        self._pack_lock = threading.Lock()
+        self.repacks = 0  # how many times the weight was (re)packed: for tests and diagnostics
 
-    def _repack(self) -> None:
-        with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self._packed_of = self._key()
+    def _repack(self, own_memory: bool = False) -> Optional[tuple]:
+        """Packs the current weight and returns the new cache entry, or None where it is not an fp32
+        CPU weight. A weight whose storage cannot be made copy-on-write gets memory of its own when
+        ``own_memory`` (at packing), else an entry without a packed tensor (``F.linear`` until the
+        weight is replaced)."""
+        with self._pack_lock:
+            w = self.weight
+            if _fresh(self._pack, w):
+                return self._pack  # another thread repacked it meanwhile
+            self._pack = None  # free the stale pack before building the new one
+            if not _packable_weight(w):
+                return None
+            with torch.no_grad():
+                d = w.detach()
+                packed = torch.ops.mkldnn._reorder_linear_weight(d)
+                try:
+                    _lazy_clone(d)  # w's storage is copy-on-write from now: any write materializes it
+                except RuntimeError:  # memory PyTorch does not own (a file mapping, NumPy, DLPack)
+                    if own_memory:
+                        with torch.inference_mode(False):  # a normal tensor even if packed in inference mode
+                            w.data = d.clone()  # the same Parameter object: ties and references keep it
+                        _lazy_clone(w.detach())
+                    else:
+                        packed = None
+            storage = w.untyped_storage()
+            self._pack = (w, storage._cdata, storage, packed)
+            self.repacks += packed is not None
+            return self._pack
+
+    def _current(self, w: Optional[Tensor] = None) -> Optional[Tensor]:
+        """The packed weight when it holds the weight's current value (repacked if it did not),
+        None where ``F.linear`` must serve (weight not fp32 CPU, or not watchable)."""
+        if w is None:
+            w = self.weight
+        p = self._pack
+        if _fresh(p, w):
+            return p[3]
+        if not _packable_weight(w):
+            self._pack = None  # e.g. after weight.data = a bf16 tensor: F.linear
+            return None
+        p = self._repack()
+        return None if p is None else p[3]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1:] != (self.in_features,) or x.dtype != torch.float32 or x.device.type != "cpu":
+        params = self._parameters  # what self.weight returns, without nn.Module.__getattr__ (~1 us)
+        w = params["weight"]
+        if _compiling():  # Inductor packs constant weights itself (freezing) and cannot lower ours
+            return nn.functional.linear(x, w, params["bias"])
+        packed = self._current(w)
+        if packed is None or _autocast_on():
+            return nn.functional.linear(x, w, params["bias"])
+        if (not isinstance(x, Tensor) or x.dtype is not torch.float32 or not x.is_cpu
+                or x.shape[-1:] != (self.in_features,)):
             raise ValueError(f"x: expected a float32 CPU tensor [..., {self.in_features}], got "
-                             f"{x.dtype} on {x.device} with shape {tuple(x.shape)}")
+                             f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)} with shape "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+        b = params["bias"]
         if (x.numel() < self.min_rows * self.in_features
-                or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
-            return nn.functional.linear(x, self.weight, self.bias)
-        if self._packed_of != self._key():  # the weight was changed or replaced since the pack
-            self._repack()
-        b = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
+                or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+            return nn.functional.linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None if b is None else b.detach(), "none", [], "")
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if not _fresh(self._pack, self.weight):
+            self._pack = None  # .double() / .cuda(): free the old weight's packed copy now, not at the next call
+        return out
+
+    def __getstate__(self):
+        # the packed tensor is opaque (no deepcopy, no pickle) and only a cache; a lock cannot be pickled
+        state = dict(super().__getstate__())
+        state.pop("_pack", None)
+        state.pop("_pack_lock", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._init_cache()  # the copy packs its own weight on its first call (deepcopy, torch.load)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -102,11 +220,16 @@ class PackedLinear(nn.Module):
 
 def pack_linear_weights(model: nn.Module, min_rows: int = PACKED_MIN_ROWS) -> int:
     """Replaces, in place, every ``nn.Linear`` of ``model`` that :func:`can_pack` accepts with a
-    :class:`PackedLinear` over the same parameters (``min_rows``: see there); returns how many it replaced (0 where none
-    fits, e.g. a CUDA or bf16 model, or PyTorch without oneDNN). Calling it again is harmless.
+    :class:`PackedLinear` over the same parameters (``min_rows``: see there); returns how many it
+    replaced (0 where none fits, e.g. a CUDA or bf16 model, or PyTorch without oneDNN). Calling it
+    again is harmless. Undo with :func:`unpack_linear_weights`.
 
     Outputs match ``nn.Linear``'s to fp32 rounding (a different summation order, so not the same
-    bits). Memory: a packed copy of each replaced weight besides the original.
+    bits), on the weights as they are at each call (see the module docstring). Memory: a packed
+    copy of each replaced weight besides the original (and, for a weight in memory PyTorch does
+    not own, such as a file mapping, the original is first copied into memory of its own).
+
+    Raises ``TypeError`` when ``model`` is not an ``nn.Module``, ``ValueError`` for a bad ``min_rows``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -120,3 +243,24 @@ def pack_linear_weights(model: nn.Module, min_rows: int = PACKED_MIN_ROWS) -> in
             packs[id(child)] = PackedLinear(child, min_rows)
         setattr(parent, name, packs[id(child)])
     return len(packs)
+
+
+def unpack_linear_weights(model: nn.Module) -> int:
+    """Replaces, in place, every :class:`PackedLinear` below ``model`` with an ``nn.Linear`` over the
+    same ``weight`` and ``bias`` parameters (not copies), dropping the packed copies; returns how
+    many it replaced (0 where none). Raises ``TypeError`` when ``model`` is not an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    todo = [(parent, name, child) for parent in model.modules()
+            for name, child in parent.named_children() if isinstance(child, PackedLinear)]
+    plain = {}
+    for parent, name, child in todo:
+        if id(child) not in plain:
+            lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            lin.weight = child.weight
+            lin.bias = child.bias
+            lin.train(child.training)
+            child._pack = None
+            plain[id(child)] = lin
+        setattr(parent, name, plain[id(child)])
+    return len(plain)
