@@ -102,7 +102,9 @@ def check_int(v: Any, name: str, low: Optional[int] = 0, high: Optional[int] = I
     if v is None and none_ok:
         return None
     x = _integral(v)
-    expect = _int_range(low, high) + (" or None" if none_ok else "") + (f" ({what})" if what else "")
+    # a CLI flag ("--...") is left out rather than given None
+    expect = _int_range(low, high) + (" or None" if none_ok and not name.startswith("--") else "")
+    expect += f" ({what})" if what else ""
     if x is None:
         raise OptionTypeError(f"{name} must be {expect}, got {_describe(v)} of type {type(v).__name__}")
     if (low is not None and x < low) or (high is not None and x > high):
@@ -326,7 +328,8 @@ def check_budget(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] 
                   "num_sink_blocks"), values, labels)
     mx, mn = out.get("sparse_attn_max_tokens"), out.get("sparse_attn_min_tokens", 0)
     if mx is not None and mx < max(1, mn):
-        raise ValueError(f"{_label('sparse_attn_max_tokens', labels)} must be None or an integer >= "
+        name = _label("sparse_attn_max_tokens", labels)
+        raise ValueError(f"{name} must be {'' if name.startswith('--') else 'None or '}an integer >= "
                          f"max(1, {_label('sparse_attn_min_tokens', labels)}) = {max(1, mn)}, got {mx}")
     return out
 
@@ -388,16 +391,19 @@ def budget_blocks(context_len: Any, ratio: float, min_tokens: int, max_tokens: O
     plugin (its pages: vLLM's KV cache blocks).
 
     Args:
-        context_len: an ``int``, or an integer tensor ``[B]`` (torch is not imported here: the
-            tensor's own methods compute it, in float64).
+        context_len: an ``int`` (or a numpy / 0-d tensor integer), or an integer tensor ``[B]``
+            (torch is not imported here: the tensor's own methods compute it, in float64).
         ratio, min_tokens, max_tokens: the budget in tokens (``max_tokens`` ``None``: no cap).
         block_size: tokens per block (>= 1).
 
     Returns:
         an ``int``, or an int32 tensor ``[B]`` for a tensor ``context_len``.
     """
-    if isinstance(context_len, int):
-        tok = max(math.ceil(context_len * ratio), min_tokens)
+    if getattr(context_len, "ndim", 0) == 0:  # an int (numpy and 0-d tensor integers too)
+        n = _integral(context_len)
+        if n is None:
+            raise OptionTypeError(f"context_len must be an integer or an integer tensor [B], got {_describe(context_len)}")
+        tok = max(math.ceil(n * ratio), min_tokens)
         if max_tokens is not None:
             tok = min(tok, max_tokens)
         return -(-tok // block_size)
