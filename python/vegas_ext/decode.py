@@ -672,8 +672,11 @@ def generate(
     Raises:
         ValueError: unsupported model or sliding window smaller than the context (names
             ``config.sliding_window``), unknown algorithm or ``query_weights``, right padding or an
-            empty prompt, a prompt longer than the model's positions, and out-of-range options
-            (``gamma < 0``, ratio outside ``(0, 1]``, ``block_size < 1``, ...).
+            empty prompt, a prompt longer than the model's positions, prompt tokens outside the
+            vocabulary, a model dtype the ops do not take (float64), and out-of-range options
+            (``gamma < 0``, ratio outside ``(0, 1]``, ``block_size < 1``, NaN, past int64, ...).
+        TypeError: an option of the wrong type (``config.OptionTypeError``, also a ``ValueError``):
+            types are checked, not coerced; see :mod:`vegas_ext.config` and ``docs/options.md``.
 
     Defaults, and why (SmolLM2-135M-Instruct, fp32, CPU, 1 thread; ``bench/decode_defaults.py``
     and ``bench/decode_step_costs.py``):
