@@ -10,8 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import vegas_ext
 from vegas_ext import cli, config, decode

@@ -402,7 +402,8 @@ def budget_blocks(context_len: Any, ratio: float, min_tokens: int, max_tokens: O
     if getattr(context_len, "ndim", 0) == 0:  # an int (numpy and 0-d tensor integers too)
         n = _integral(context_len)
         if n is None:
-            raise OptionTypeError(f"context_len must be an integer or an integer tensor [B], got {_describe(context_len)}")
+            raise OptionTypeError(
+                f"context_len must be an integer or an integer tensor [B], got {_describe(context_len)}")
         tok = max(math.ceil(n * ratio), min_tokens)
         if max_tokens is not None:
             tok = min(tok, max_tokens)

@@ -27,7 +27,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -479,12 +479,14 @@ def _check_prefill_cache(pc) -> None:
     ids = pc.get("ids")
     if ids is not None and not (isinstance(ids, Tensor) and ids.dim() == 2):
         raise config.OptionTypeError(
-            f"prefill_cache['ids'] must be a [B, t] tensor (as a previous generate call stored), got {type(ids).__name__}")
+            f"prefill_cache['ids'] must be a [B, t] tensor (as a previous generate call stored), "
+            f"got {type(ids).__name__}")
     for key in ("k", "v"):
         kv = pc.get(key)
         if kv is not None and not (isinstance(kv, (list, tuple)) and all(isinstance(t, Tensor) for t in kv)):
             raise config.OptionTypeError(
-                f"prefill_cache[{key!r}] must be a list of tensors (as a previous generate call stored), got {type(kv).__name__}")
+                f"prefill_cache[{key!r}] must be a list of tensors (as a previous generate call stored), "
+                f"got {type(kv).__name__}")
     ref = pc.get("model")
     if ref is not None and not callable(ref):
         raise config.OptionTypeError(f"prefill_cache['model'] must be a weak reference, got {type(ref).__name__}")
