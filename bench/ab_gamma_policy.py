@@ -11,39 +11,38 @@ plain decoding at 4K, batch 4 on the same machine). This script decodes one batc
 and prints one JSON line per run (``decode_tokens_per_s`` of ``out.stats``, gamma histogram, mean
 acceptance length) and per configuration the median ratio to ``full`` of the same round.
 
-    python bench/ab_gamma_policy.py --context 4096 --batch 4 --rounds 3 \\
+    python -m bench.ab_gamma_policy --context 4096 --batch 4 --rounds 3 \\
         --variants '{"climb": {"climb": true}, "default": {}, "gamma 3": 3}'
 
-Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults (ratio 0.05, block size 1);
-pin it to one core (``taskset -c 0``) on a shared machine.
+Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the vegas defaults
+(ratio 0.05, block size 1); pin it to one core (``taskset -c 0``) on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from common import add_pack_linears_flag, pack_linears  # noqa: E402
-from e2e import build_batch  # noqa: E402
-from vegas_ext import decode, generate, speculation  # noqa: E402
-from vegas_ext.models import load_model  # noqa: E402
+from bench.common import add_pack_linears_flag, pack_linears
+from bench.e2e import build_batch
+from vegas_ext import decode, generate, speculation
+from vegas_ext.models import load_model
 
 
 def _policy_class(kwargs: dict):
     """``AutoGamma`` with ``kwargs`` bound, as a subclass (``generate`` checks its type)."""
     base = speculation.AutoGamma
-    return type("AutoGammaVariant", (base,), {"__init__": lambda self, max_gamma: base.__init__(self, max_gamma, **kwargs)})
+
+    def __init__(self, max_gamma):
+        base.__init__(self, max_gamma, **kwargs)
+
+    return type("AutoGammaVariant", (base,), {"__init__": __init__})
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.ab_gamma_policy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded model)")
     ap.add_argument("--doc", default="kjv", help="document of vegas_ext.documents (default kjv)")
     ap.add_argument("--context", type=int, default=4096, help="prompt tokens per row (default 4096)")
@@ -54,7 +53,7 @@ def main():
     add_pack_linears_flag(ap)
     ap.add_argument("--variants", type=json.loads, required=True, metavar="JSON",
                     help='{"name": AutoGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if not isinstance(a.variants, dict) or not a.variants or "full" in a.variants:
         ap.error('--variants: a non-empty JSON object of names (not "full") to keyword objects or ints')
     for name, v in a.variants.items():
@@ -67,6 +66,28 @@ def main():
             ap.error(f"--variants: {name!r} must be a keyword object or a fixed gamma >= 1, got {v!r}")
     if a.rounds < 1 or a.batch < 1 or a.max_new_tokens < 2:
         ap.error("--rounds and --batch must be >= 1, --max-new-tokens >= 2")
+    return a
+
+
+def run_one(model, ids, mask, variant, max_new_tokens, prefill_cache):
+    """One greedy ``generate``: ``full`` (variant None), a fixed gamma (an int) or ``auto`` with the
+    AutoGamma keyword arguments ``variant``; the prompt's prefill is shared through ``prefill_cache``."""
+    kw = dict(sparse_attn_algorithm="vegas", sparse_attn_ratio=0.05, eos_token_id=[], prefill_cache=prefill_cache)
+    if variant is None:
+        kw.update(sparse_attn_algorithm="full", num_speculative_tokens=0)
+    elif isinstance(variant, int):
+        kw.update(num_speculative_tokens=variant)
+    else:
+        kw.update(num_speculative_tokens="auto")
+        decode.AutoGamma = _policy_class(variant)
+    try:
+        return generate(model, ids, mask, max_new_tokens=max_new_tokens, **kw)
+    finally:
+        decode.AutoGamma = speculation.AutoGamma
+
+
+def main(argv=None):
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     packed = pack_linears(model, a.pack_linears)
@@ -74,23 +95,10 @@ def main():
     names = list(a.variants)
     rates = {k: [] for k in ["full", *names]}
     ref = None
-    pc: dict = {}
+    pc: dict = {}  # the prompt's prefill once, reused by every run (decode tokens/s does not include it)
     for r in range(a.rounds):
         for name in ["full", *(names if r % 2 == 0 else names[::-1])]:
-            v = a.variants.get(name)
-            # the prompt's prefill once, reused by every run (decode tokens/s does not include it)
-            kw = dict(sparse_attn_algorithm="vegas", sparse_attn_ratio=0.05, eos_token_id=[], prefill_cache=pc)
-            if name == "full":
-                kw.update(sparse_attn_algorithm="full", num_speculative_tokens=0)
-            elif isinstance(v, int):
-                kw.update(num_speculative_tokens=v)
-            else:
-                kw.update(num_speculative_tokens="auto")
-                decode.AutoGamma = _policy_class(v)
-            try:
-                out = generate(model, ids, mask, max_new_tokens=a.max_new_tokens, **kw)
-            finally:
-                decode.AutoGamma = speculation.AutoGamma
+            out = run_one(model, ids, mask, a.variants.get(name), a.max_new_tokens, pc)
             s = out.stats
             if ref is None:
                 ref = out.sequences.clone()

@@ -1,7 +1,7 @@
 """verify_attention (or sparse_draft_attention) in two checkouts, one process at a time: a kernel change's A/B.
 
-    python bench/ab_trees_cpu.py --old-tree /path/to/other/checkout [--rounds 4] [--layers 30] [--out PREFIX]
-    python bench/ab_trees_cpu.py --old-tree ... --op sparse_draft_attention --layers 30   # a draft step's reads
+    python -m bench.ab_trees_cpu --old-tree /path/to/other/checkout [--rounds 4] [--layers 30] [--out PREFIX]
+    python -m bench.ab_trees_cpu --old-tree ... --op sparse_draft_attention --layers 30   # a draft step's reads
 
 Each round runs one fresh process per tree (the order alternating every round), each timing every
 cell (median of --calls calls after 3 untimed ones) on one thread pinned to one core, with
@@ -13,36 +13,32 @@ last-level cache at these sizes). With --op sparse_draft_attention each cell is 
 vegas default: --budget of the S tokens (5 %) as sorted random 1-token blocks before a tail of 7
 tokens, per batch row and KV head (--queries is ignored).
 
-Why not `bench_kernels_cpu.py --grid --old-tree`: that runs both trees at once in two processes,
-interleaved call by call. On a 2-core Intel Xeon VM (AVX-512) it timed identical code in the two
-processes 10-20 % apart (the process that also times the sgemm and copy anchors the slower),
-so its new / old ratios there were not the kernel's. One process at a time has no such bias
-(cells whose code did not change measure ~1.0x within the round-to-round noise).
+One process at a time, because two trees timed at once in two processes (interleaved call by
+call) measured identical code 10-20 % apart on a 2-core Intel Xeon VM; one at a time, cells whose
+code did not change measure ~1.0x within the round-to-round noise. Each worker imports its tree's
+``vegas_ext`` and the tests' ``op_utils`` through ``PYTHONPATH``.
 Writes <--out>.{jsonl,md}.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import GRID_SHAPES as SHAPES, ROOT  # noqa: E402
+from bench.common import GRID_SHAPES as SHAPES, RESULTS, ROOT, command_line, commit_label
 
 WORKER = r"""
 import json, sys, time, torch
-sys.path.insert(0, sys.argv[1] + "/python")
-sys.path.insert(0, sys.argv[2])
 import vegas_ext.ops  # noqa: F401  (loads this tree's extension)
 from op_utils import make_inputs
 torch.set_num_threads(1)
-cells, calls, layers = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-op, budget = sys.argv[6], float(sys.argv[7])
+cells, calls, layers = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+op, budget = sys.argv[4], float(sys.argv[5])
 out = []
 for B, Q, Hq, Hkv, D, S, bs in cells:
     q, k, v, _ = make_inputs(B, Q, Hq, Hkv, D, S, torch.float32, seed=0)
@@ -83,8 +79,8 @@ print(json.dumps(out))
 """
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.ab_trees_cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--old-tree", required=True, help="a second checkout with an in-place build")
     ap.add_argument("--shapes", nargs="+", default=["smollm2-b4", "llama3-8b-b1"], choices=sorted(SHAPES))
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
@@ -99,71 +95,84 @@ def main():
     ap.add_argument("--op", default="verify_attention", choices=["verify_attention", "sparse_draft_attention"])
     ap.add_argument("--budget", type=float, default=0.05,
                     help="sparse_draft_attention: the selected fraction of the S tokens (vegas's default ratio)")
-    ap.add_argument("--out", default=str(HERE / "results" / "tmp" / "ab_trees"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(RESULTS / "tmp" / "ab_trees"))
+    args = ap.parse_args(argv)
     if not 0 < args.budget < 1:
         ap.error(f"--budget must be in (0, 1), got {args.budget}")
     if args.op == "sparse_draft_attention":
         args.queries = [1]
+    return args
+
+
+def run_tree(tree: Path, cells, args) -> list:
+    """One worker process on ``tree``'s build: the median seconds per call of every cell."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(ROOT / "tests")]))
+    cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-c", WORKER, json.dumps(cells), str(args.calls),
+           str(args.layers), args.op, str(args.budget)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def result_rows(names, times, args) -> list:
+    """Per cell: each tree's median over rounds and the per-round old / new ratio (median, min, max)."""
+    rows = []
+    for i, (s, S, Q) in enumerate(names):
+        new = [times["new"][r][i] for r in range(args.rounds)]
+        old = [times["old"][r][i] for r in range(args.rounds)]
+        ratios = [o / n for o, n in zip(old, new)]
+        B, Hq, Hkv, D = SHAPES[s]
+        rows.append(dict(shape=s, S=S, Q=Q, R=Q * Hq // Hkv, D=D, block_size=args.block_size, threads=1,
+                         new_ms=round(1e3 * statistics.median(new), 3), old_ms=round(1e3 * statistics.median(old), 3),
+                         speedup=round(statistics.median(ratios), 3), speedup_min=round(min(ratios), 3),
+                         speedup_max=round(max(ratios), 3),
+                         new_gflops=round(4 * B * Hq * Q * S * D / statistics.median(new) / 1e9, 1)
+                         if args.op == "verify_attention" else None))
+    return rows
+
+
+def markdown(rows, meta, args, argv) -> str:
+    what = (f"verify_attention, fp32, 1 thread, block size {args.block_size}" if args.op == "verify_attention" else
+            f"sparse_draft_attention, fp32, 1 thread, one draft token over {args.budget:g} of S in 1-token "
+            "blocks + a 7-token tail")
+    lines = [f"Command: `{command_line('ab_trees_cpu', argv)}`", "",
+             what + f"; new = {meta['new']}, old = {meta['old']}; one process per tree at a time, order "
+             f"alternating, {args.rounds} rounds, median of {args.calls} calls per cell and round"
+             + (f" (each call: one per copy of the cache, {args.layers} copies on huge pages, K/V from DRAM; "
+                "time per copy)" if args.layers > 1 else "")
+             + ". Speedup = old / new per round, median (min-max).", "",
+             "| shape | S | Q | rows R | new ms | old ms | speedup | new GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['S']} | {r['Q']} | {r['R']} | {r['new_ms']} | {r['old_ms']} | "
+                     f"{r['speedup']} ({r['speedup_min']}-{r['speedup_max']}) | {r['new_gflops'] or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     cells = [(SHAPES[s][0], Q, SHAPES[s][1], SHAPES[s][2], SHAPES[s][3], S, args.block_size)
              for s in args.shapes for S in args.seq_lens for Q in args.queries]
     names = [(s, S, Q) for s in args.shapes for S in args.seq_lens for Q in args.queries]
     trees = {"new": ROOT, "old": Path(args.old_tree).resolve()}
     times = {t: [] for t in trees}
     for rnd in range(args.rounds):
-        order = ["new", "old"] if rnd % 2 == 0 else ["old", "new"]
-        for t in order:
-            cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-c", WORKER, str(trees[t]),
-                   str(ROOT / "tests"), json.dumps(cells), str(args.calls), str(args.layers), args.op, str(args.budget)]
-            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            times[t].append(json.loads(res.stdout.strip().splitlines()[-1]))
+        for t in (["new", "old"] if rnd % 2 == 0 else ["old", "new"]):
+            times[t].append(run_tree(trees[t], cells, args))
             print(f"round {rnd} {t} done", file=sys.stderr, flush=True)
-
-    def rev(tree):
-        try:
-            return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip()
-        except OSError:
-            return "?"
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, (s, S, Q) in enumerate(names):
-        new = [times["new"][r][i] for r in range(args.rounds)]
-        old = [times["old"][r][i] for r in range(args.rounds)]
-        B, Hq, Hkv, D = SHAPES[s]
-        R = Q * Hq // Hkv
-        rows.append(dict(shape=s, S=S, Q=Q, R=R, D=D, block_size=args.block_size, threads=1,
-                         new_ms=round(1e3 * statistics.median(new), 3), old_ms=round(1e3 * statistics.median(old), 3),
-                         speedup=round(statistics.median(o / n for o, n in zip(old, new)), 3),
-                         speedup_min=round(min(o / n for o, n in zip(old, new)), 3),
-                         speedup_max=round(max(o / n for o, n in zip(old, new)), 3),
-                         new_gflops=round(4 * B * Hq * Q * S * D / statistics.median(new) / 1e9, 1)
-                         if args.op == "verify_attention" else None))
+    rows = result_rows(names, times, args)
     meta = dict(cpu=platform.processor() or platform.machine(), op=args.op,
                 budget=args.budget if args.op == "sparse_draft_attention" else None,
-                new=rev(trees["new"]), old=rev(trees["old"]),
+                new=commit_label(trees["new"]), old=commit_label(trees["old"]),
                 rounds=args.rounds, calls=args.calls, layers=args.layers, argv=sys.argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out + ".jsonl", "w") as f:
         f.write(json.dumps(meta) + "\n")
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    lines = [f"Command: `python {' '.join(sys.argv)}`", "",
-             (f"verify_attention, fp32, 1 thread, block size {args.block_size}" if args.op == "verify_attention" else
-              f"sparse_draft_attention, fp32, 1 thread, one draft token over {args.budget:g} of S in 1-token "
-              "blocks + a 7-token tail")
-             + f"; new = {meta['new']}, old = "
-             f"{meta['old']}; one process per tree at a time, order alternating, {args.rounds} rounds, median of "
-             f"{args.calls} calls per cell and round"
-             + (f" (each call: one per copy of the cache, {args.layers} copies on huge pages, K/V from DRAM; "
-                "time per copy)" if args.layers > 1 else "")
-             + ". Speedup = old / new per round, median (min-max).", "",
-             "| shape | S | Q | rows R | new ms | old ms | speedup | new GFLOP/s |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['S']} | {r['Q']} | {r['R']} | {r['new_ms']} | {r['old_ms']} | "
-                     f"{r['speedup']} ({r['speedup_min']}-{r['speedup_max']}) | {r['new_gflops'] or '-'} |")
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    md = markdown(rows, meta, args, argv)
+    Path(args.out + ".md").write_text(md)
+    print(md, end="")
 
 
 if __name__ == "__main__":

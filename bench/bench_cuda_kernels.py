@@ -1,6 +1,6 @@
 """GPU microbenchmark of the three vegas CUDA kernels.
 
-    python bench/bench_cuda_kernels.py [--seq-lens 8192 32768 131072] [--batches 1 8 32]
+    python -m bench.bench_cuda_kernels [--seq-lens 8192 32768 131072] [--batches 1 8 32]
                                        [--block-sizes 1 16]
 
 Attention shape: Llama-3-8B and Qwen3-8B (identical: 32 query heads, 8 KV heads,
@@ -35,11 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, run_metadata, write_rows  # noqa: E402
-
-import vegas_ext  # noqa: E402,F401  (loads torch.ops.vegas)
-from vegas_ext import ops  # noqa: E402
+import vegas_ext  # noqa: F401  (loads torch.ops.vegas)
+from bench.common import ROOT, run_metadata, write_rows
+from vegas_ext import ops
 
 _FLUSH = None
 
@@ -141,7 +139,7 @@ def decode_step_check(layers=8, B=8, S=32768, gamma=6, K=1639, Hq=32, Hkv=8, D=1
     with torch.cuda.graph(graph):
         step()
     r["step_ms_graph"] = cuda_time_ms(graph.replay, target_ms=300, max_reps=10)
-    del kc, vc, graph
+    kc = vc = graph = None  # drop the caches (step() holds them) before empty_cache
     torch.cuda.empty_cache()
     return r
 
@@ -151,7 +149,6 @@ def copy_bandwidth():
     x = torch.empty(n, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     ms = cuda_time_ms(lambda: y.copy_(x))
-    del x, y
     return 2 * n / (ms * 1e-3)  # bytes read + written per second
 
 
@@ -186,25 +183,110 @@ def sdpa_flash(q, k, v, group):
     return None, "; ".join(why) or "K/V repeat does not fit", None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# the measured shape: Llama-3-8B = Qwen3-8B attention, verifying 6 drafts
+Q, HQ, HKV, D = 7, 32, 8, 128
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_cuda_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--budget", type=float, default=0.05)
     ap.add_argument("--skip-decode-step", action="store_true", help="skip the op-level decode-step check")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kernels_cuda")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def verify_row(r, q, k, v, lens, bs, sd_ms, sd_out, kv_bytes):
+    """Times verify_attention at block size ``bs`` into ``r`` (against SDPA where it ran); returns its block scores."""
+    scale = D ** -0.5
+    ours = lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, None)  # noqa: E731
+    out, lse, bsc = ours()
+    r["verify_ms"] = cuda_time_ms(ours)
+    r["verify_bytes_per_s"] = kv_bytes / (r["verify_ms"] * 1e-3)
+    if sd_ms is not None:
+        r["sdpa_ms"] = sd_ms
+        r["verify_over_sdpa"] = r["verify_ms"] / r["sdpa_ms"]
+        r["max_err_vs_sdpa"] = (out.float() - sd_out.transpose(1, 2).float()).abs().max().item()
+    out_bytes = sum(t.numel() * t.element_size() for t in (out, lse, bsc))
+    r["verify_workspace_bytes"] = workspace_measured(ours, out_bytes)
+    r["verify_workspace_bytes_formula"] = ops.cuda_workspace_bytes(
+        "verify_attention", r["B"], Q, HQ, HKV, D, r["S"], bs, num_sms=r["sms"])
+    return bsc
+
+
+def draft_and_topk_row(r, q, k, v, lens, bs, bsc, budget, bw):
+    """Times one draft token's sparse_draft_attention (``budget`` of S in blocks of ``bs`` before an
+    8-token tail) and block_topk over ``bsc`` into ``r``."""
+    B, S, dev, tail_len = r["B"], r["S"], q.device, 8
+    ncand = (S - tail_len) // bs
+    K = max(1, math.ceil(budget * S / bs))
+    idx = torch.rand(B * HKV, ncand, device=dev).argsort(dim=1)[:, :K].sort(dim=1).values
+    idx = idx.to(torch.int32).view(B, HKV, K).contiguous()
+    tail = torch.full((B,), S - tail_len, dtype=torch.int32, device=dev)
+    q1 = q[:, :1].contiguous()
+    draft = lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, D ** -0.5)  # noqa: E731
+    draft()
+    r["draft_ms"] = cuda_time_ms(draft)
+    r["draft_bytes_per_s"] = 2 * B * HKV * (K * bs + tail_len) * D * 2 / (r["draft_ms"] * 1e-3)
+    r["draft_frac_of_copy"] = r["draft_bytes_per_s"] / bw
+    kt = torch.full((B,), K, dtype=torch.int32, device=dev)
+    nct = torch.full((B,), ncand, dtype=torch.int32, device=dev)
+    topk = lambda: torch.ops.vegas.block_topk(bsc, kt, nct, K, 1)  # noqa: E731
+    topk()
+    r["topk_ms"] = cuda_time_ms(topk)
+    r["topk_share_of_verify"] = r["topk_ms"] / r["verify_ms"]
+
+
+def row_line(r, label) -> str:
+    sd_txt = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "n/a"
+    ratio = f"{r['verify_over_sdpa']:.2f}x" if "verify_over_sdpa" in r else f"n/a ({label})"
+    err = f"{r['max_err_vs_sdpa']:.1e}" if "max_err_vs_sdpa" in r else "-"
+    return (f"| {r['S']} | {r['B']} | {r['block_size']} | {r['verify_ms']:.3f} | "
+            f"{r['verify_bytes_per_s'] / 1e12:.2f} | "
+            f"{sd_txt} | {ratio} | {r['draft_ms']:.3f} | {r['draft_bytes_per_s'] / 1e12:.2f} "
+            f"({100 * r['draft_frac_of_copy']:.0f} %) | {r['topk_ms']:.3f} ({100 * r['topk_share_of_verify']:.1f} %) | "
+            f"{err} | {r['verify_workspace_bytes'] / 1e6:.1f} ({r['verify_workspace_bytes_formula'] / 1e6:.1f}) |")
+
+
+def cell_rows(meta, S, B, args, bw):
+    """Every block size's row at (S, B), with its Markdown line; ``[]`` where the GPU lacks the memory."""
+    dev, dt = "cuda", torch.bfloat16
+    kv_bytes = 2 * B * HKV * S * D * 2
+    need = 2.2 * kv_bytes
+    if need > torch.cuda.mem_get_info()[0]:
+        print(f"| {S} | {B} | skipped: needs {need / 2**30:.0f} GiB |", flush=True)
+        return []
+    q = torch.randn(B, Q, HQ, D, device=dev, dtype=dt)
+    k = torch.randn(B, HKV, S, D, device=dev, dtype=dt)
+    v = torch.randn(B, HKV, S, D, device=dev, dtype=dt)
+    lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+    sd, label, sd_out = sdpa_flash(q, k, v, HQ // HKV)
+    sd_ms = cuda_time_ms(sd) if sd is not None else None
+    out = []
+    for bs in args.block_sizes:
+        r = dict(meta, S=S, B=B, Q=Q, Hq=HQ, Hkv=HKV, D=D, block_size=bs, dtype="bfloat16", sdpa_variant=label)
+        bsc = verify_row(r, q, k, v, lens, bs, sd_ms, sd_out, kv_bytes)
+        draft_and_topk_row(r, q, k, v, lens, bs, bsc, args.budget, bw)
+        line = row_line(r, label)
+        print(line, flush=True)
+        out.append((r, line))
+        del bsc
+    del sd, sd_out, q, k, v
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench_cuda_kernels.py needs a CUDA device")
+        sys.exit("bench_cuda_kernels needs a CUDA device")
     if not torch._C._dispatch_has_kernel_for_dispatch_key("vegas::verify_attention", "CUDA"):
         sys.exit("vegas_ext was built without CUDA kernels (build with CUDA_HOME set)")
     torch.manual_seed(0)
-    dev = "cuda"
-    dt = torch.bfloat16
-    Q, Hq, Hkv, D = 7, 32, 8, 128
-    group, scale = Hq // Hkv, D ** -0.5
-    meta = run_metadata(dev)
+    meta = run_metadata("cuda")
     props = torch.cuda.get_device_properties(0)
     meta.update(sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
     bw = copy_bandwidth()
@@ -223,71 +305,14 @@ def main():
     rows = []
     for S in args.seq_lens:
         for B in args.batches:
-            kv_bytes = 2 * B * Hkv * S * D * 2
-            need = 2.2 * kv_bytes
-            if need > torch.cuda.mem_get_info()[0]:
-                print(f"| {S} | {B} | skipped: needs {need / 2**30:.0f} GiB |", flush=True)
-                continue
-            q = torch.randn(B, Q, Hq, D, device=dev, dtype=dt)
-            k = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
-            v = torch.randn(B, Hkv, S, D, device=dev, dtype=dt)
-            lens = torch.full((B,), S, dtype=torch.int32, device=dev)
-            sd, label, sd_out = sdpa_flash(q, k, v, group)
-            sd_ms = cuda_time_ms(sd) if sd is not None else None
-            for bs in args.block_sizes:
-                r = dict(meta, S=S, B=B, Q=Q, Hq=Hq, Hkv=Hkv, D=D, block_size=bs, dtype="bfloat16")
-                ours = lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, scale, None)  # noqa: E731
-                out, lse, bsc = ours()
-                r["verify_ms"] = cuda_time_ms(ours)
-                r["verify_bytes_per_s"] = kv_bytes / (r["verify_ms"] * 1e-3)
-                r["sdpa_variant"] = label
-                if sd is not None:
-                    r["sdpa_ms"] = sd_ms
-                    r["verify_over_sdpa"] = r["verify_ms"] / r["sdpa_ms"]
-                    r["max_err_vs_sdpa"] = (out.float() - sd_out.transpose(1, 2).float()).abs().max().item()
-                out_bytes = sum(t.numel() * t.element_size() for t in (out, lse, bsc))
-                r["verify_workspace_bytes"] = workspace_measured(ours, out_bytes)
-                r["verify_workspace_bytes_formula"] = ops.cuda_workspace_bytes(
-                    "verify_attention", B, Q, Hq, Hkv, D, S, bs, num_sms=meta["sms"])
-
-                # draft: Q = 1, budget blocks among those before an 8-token tail
-                tail_len = 8
-                ncand = (S - tail_len) // bs
-                K = max(1, math.ceil(args.budget * S / bs))
-                idx = torch.rand(B * Hkv, ncand, device=dev).argsort(dim=1)[:, :K].sort(dim=1).values
-                idx = idx.to(torch.int32).view(B, Hkv, K).contiguous()
-                tail = torch.full((B,), S - tail_len, dtype=torch.int32, device=dev)
-                q1 = q[:, :1].contiguous()
-                draft = lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, scale)  # noqa: E731
-                draft()
-                r["draft_ms"] = cuda_time_ms(draft)
-                draft_bytes = 2 * B * Hkv * (K * bs + tail_len) * D * 2
-                r["draft_bytes_per_s"] = draft_bytes / (r["draft_ms"] * 1e-3)
-                r["draft_frac_of_copy"] = r["draft_bytes_per_s"] / bw
-
-                kt = torch.full((B,), K, dtype=torch.int32, device=dev)
-                nct = torch.full((B,), ncand, dtype=torch.int32, device=dev)
-                topk = lambda: torch.ops.vegas.block_topk(bsc, kt, nct, K, 1)  # noqa: E731
-                topk()
-                r["topk_ms"] = cuda_time_ms(topk)
-                r["topk_share_of_verify"] = r["topk_ms"] / r["verify_ms"]
+            for r, line in cell_rows(meta, S, B, args, bw):
                 rows.append(r)
-                sd_txt = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "n/a"
-                ratio = f"{r['verify_over_sdpa']:.2f}x" if "verify_over_sdpa" in r else f"n/a ({label})"
-                err = f"{r['max_err_vs_sdpa']:.1e}" if "max_err_vs_sdpa" in r else "-"
-                line = (f"| {S} | {B} | {bs} | {r['verify_ms']:.3f} | {r['verify_bytes_per_s'] / 1e12:.2f} | {sd_txt} | {ratio} | "
-                        f"{r['draft_ms']:.3f} | {r['draft_bytes_per_s'] / 1e12:.2f} ({100 * r['draft_frac_of_copy']:.0f} %) | "
-                        f"{r['topk_ms']:.3f} ({100 * r['topk_share_of_verify']:.1f} %) | {err} | "
-                        f"{r['verify_workspace_bytes'] / 1e6:.1f} ({r['verify_workspace_bytes_formula'] / 1e6:.1f}) |")
                 lines.append(line)
-                print(line, flush=True)
-                del out, lse, bsc, idx, q1
-            del sd, sd_out, q, k, v
-            torch.cuda.empty_cache()
     if not args.skip_decode_step:
         ds = decode_step_check()
         rows.append(dict(meta, kind="decode_step", **ds))
-        lines += ["", f"op-level decode step ({ds['layers']} layers, batch {ds['B']}, S {ds['S']}, gamma {ds['gamma']}, "
+        lines += ["", f"op-level decode step ({ds['layers']} layers, batch {ds['B']}, S {ds['S']}, "
+                  f"gamma {ds['gamma']}, "
                   f"block size {ds['block_size']}, K {ds['K']}): host syncs per step {ds['host_syncs_per_step']} "
                   f"(with VEGAS_CUDA_VALUE_CHECKS=1: {ds['host_syncs_per_step_with_value_checks']}); "
                   f"step {ds['step_ms_eager']:.2f} ms eager, {ds['step_ms_graph']:.2f} ms as a CUDA graph"]

@@ -10,7 +10,7 @@
 // clock implied by the `fma` row (2 FMA ports x 16 lanes x 2 flops per cycle). The gap between
 // a kernel and `fma+bcast` is the kernel's own overhead (for the QK: per 8 tokens the accumulators
 // restarted, the pair-to-row permutes and the stores; its 8 K-row pointers measured at ~2 %, see
-// bench/results/kernels_cpu_xeon_avx512/microkernel_rates.md); the main loop adds the online softmax,
+// bench/results/kernels_xeon_avx512/microkernel_rates.md); the main loop adds the online softmax,
 // the block scores and the cache misses on top (bench/cpu_attend_microbench.cpp times that).
 // AVX-512 only (the pair QK exists only there).
 //

@@ -12,7 +12,7 @@ gamma+1 tokens, selection) and from a ``"full"`` run (a plain step). The cost mo
 gamma+1 verify) then ranks gamma against plain decoding. Greedy output is also checked against
 the ``"full"`` loop (lossless).
 
-Usage: ``python bench/decode_defaults.py --context 4096 --new 48 --out bench/results/decode_defaults.jsonl``
+Usage: ``python -m bench.decode_defaults --context 4096 --new 48 --out bench/results/tmp/decode_defaults.jsonl``
 """
 from __future__ import annotations
 

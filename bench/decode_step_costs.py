@@ -18,10 +18,10 @@ On a GPU (the end-to-end step of bench/gpu_check.sh): a random-weight model of L
 (weights cannot travel to the GPU machine; step times do not depend on their values), bf16,
 32K context, batch 8, the fixed acceptance pattern ``--tau``::
 
-    VEGAS_CUDA_KERNELS=1 python bench/decode_step_costs.py --model-config llama3-8b --device cuda \
+    VEGAS_CUDA_KERNELS=1 python -m bench.decode_step_costs --model-config llama3-8b --device cuda \
         --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --no-hf
 
-Usage: ``python bench/decode_step_costs.py --contexts 2048,4096,8192 --batches 1,4 --gamma 6``
+Usage: ``python -m bench.decode_step_costs --contexts 2048,4096,8192 --batches 1,4 --gamma 6``
 (``--block-size`` defaults to vegas's default, 1.)
 """
 from __future__ import annotations
@@ -34,12 +34,11 @@ import time
 import torch
 from transformers import DynamicCache
 
+from bench.common import add_pack_linears_flag, pack_linears, sync
 from vegas_ext import models
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import SelectionConfig, SelectionContext, VegasSelection, _cache_kwarg
 from vegas_ext.hf import AttentionState, patched
-
-from common import add_pack_linears_flag, pack_linears, sync
 
 #: random-weight model shapes (``--model-config``); ``tiny`` is for a smoke test
 MODEL_CONFIGS = {

@@ -17,8 +17,8 @@ Writes into ``bench/results/<name>/`` (or ``--out``):
 
 Examples::
 
-    python bench/e2e.py                                         # the full grid (slow on CPU)
-    python bench/e2e.py --docs kjv --context-lengths 512 --batch-sizes 1 \\
+    python -m bench.e2e                                         # the full grid (slow on CPU)
+    python -m bench.e2e --docs kjv --context-lengths 512 --batch-sizes 1 \\
         --max-new-tokens 8 --repeats 1 --out bench/results/tmp/smoke   # smoke run
 
 Metrics: ``decode_tokens_per_s`` = new tokens after each row's first / (total - prefill) time,
@@ -33,21 +33,16 @@ import json
 import os
 import platform
 import shlex
-import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import torch
+
+from bench.common import add_pack_linears_flag, fmt as _f, git_commit, median as _med, pack_linears, sync
+from vegas_ext import documents, models
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))  # run from a checkout without installing, too
-
-import torch  # noqa: E402
-
-from vegas_ext import documents, models  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (imported from tests, too)
-from common import add_pack_linears_flag, pack_linears, sync  # noqa: E402
 
 DEFAULT_DOCS = "pride_and_prejudice,kjv"
 DEFAULT_CONTEXTS = "2048,4096,8192"
@@ -74,18 +69,6 @@ def _csv(type_, words=()):
     return parse
 
 
-def git_commit() -> Dict[str, Any]:
-    """The checkout's commit and whether tracked files differ from it."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
-        return {"git_commit": sha or None, "git_dirty": dirty}
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-
-
 def environment(device: torch.device) -> Dict[str, Any]:
     """Versions and machine facts recorded with every run."""
     import transformers
@@ -107,7 +90,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
         env["cuda_kernels"] = bool(vegas_ext.ops.has_compiled_kernel("verify_attention", "cuda"))
     except Exception:  # noqa: BLE001 - informational only
         pass
-    env.update(git_commit())
+    env.update(zip(("git_commit", "git_dirty"), git_commit()))
     return env
 
 
@@ -522,13 +505,13 @@ def main(argv=None) -> int:
                 runs_f.flush()
     bar.close()
 
-    cmd = "python bench/e2e.py " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    cmd = "python -m bench.e2e " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     md = summary_markdown(records, args, env, model_name, cmd)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(md)
     if not args.no_plots:
         try:
-            import plots
+            from bench import plots
 
             for pth in plots.write_plots(records, out_dir):
                 print(f"plot: {pth}", file=sys.stderr)
@@ -539,20 +522,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _med(xs):
-    xs = [x for x in xs if isinstance(x, (int, float))]
-    return statistics.median(xs) if xs else None
-
-
-def _f(x, fmt="{:.2f}"):
-    return "–" if x is None else fmt.format(x)
-
-
 def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], model_name: str,
                      command: Optional[str] = None) -> str:
     """Markdown table: medians over repeats per (document, context, batch, configuration)."""
     lines = [
-        f"# End-to-end decoding benchmark",
+        "# End-to-end decoding benchmark",
         "",
         f"Command: `{command}`" if command else "",
         "",

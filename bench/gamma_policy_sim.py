@@ -13,7 +13,7 @@ plain step that scores the KV blocks, as in ``vegas_ext.decode.step``. Reported:
 decode rate relative to ``full`` (plain decoding) and to the best fixed gamma of the cell,
 medians over seeds.
 
-    python bench/gamma_policy_sim.py --runs bench/results/auto_gamma_cpu/kjv/runs.jsonl --new-tokens 64
+    python -m bench.gamma_policy_sim --runs bench/results/gamma_xeon_avx512/kjv_256tok_b4/runs.jsonl --new-tokens 64
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
 (cache effects between phases, a machine that changes speed; the plain step that scores the
@@ -37,13 +37,10 @@ import sys
 import numpy as np
 import torch
 
+from bench.common import load_runs
+from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-
-sys.path.insert(0, HERE)
-
-from report import load_runs  # noqa: E402
-from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts  # noqa: E402
 
 
 def cells_from_runs(path, verify_model="line", repeats="first"):
@@ -66,8 +63,8 @@ def cells_from_runs(path, verify_model="line", repeats="first"):
             continue
         tf = r.get("cost_t_full_ms")
         if not tf:  # its repeat has no `full` run to take ratios to
-            print(f"skipped: a {r['context']} x {r['batch_size']} row of repeat {r.get('repeat', 0)} without a full step time",
-                  file=sys.stderr)
+            print(f"skipped: a {r['context']} x {r['batch_size']} row of repeat {r.get('repeat', 0)} "
+                  "without a full step time", file=sys.stderr)
             continue
         c = cells.setdefault((r["context"], r["batch_size"]), {"full": {}, "draft": [], "sel": [], "v": {}})
         c["full"][r.get("repeat", 0)] = tf
@@ -134,13 +131,14 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
             accepted.append(a)
             n[b] += a + 1
         fresh = g > 0
-        policy.observe_iteration(IterationCosts(g, td, tv, ts, scored=g > 0), torch.tensor(drafted), torch.tensor(accepted))
+        policy.observe_iteration(IterationCosts(g, td, tv, ts, scored=g > 0), torch.tensor(drafted),
+                                 torch.tensor(accepted))
     return batch * n_new / elapsed
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default=os.path.join(HERE, "results", "auto_gamma_cpu", "kjv", "runs.jsonl"))
+    ap.add_argument("--runs", default=os.path.join(HERE, "results", "gamma_xeon_avx512", "kjv_256tok_b4", "runs.jsonl"))
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.75, 0.85, 0.92],
                     help="per-position conditional acceptance rates to simulate")
@@ -165,7 +163,8 @@ def main():
         policies["variant"] = lambda: AutoGamma(args.max_speculative_tokens, **args.variant)
     policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
     var = args.variant is not None
-    print(f"| context | batch | p | best fixed | auto / full | auto / best |" + (" variant / full | variant / best |" if var else "")
+    print("| context | batch | p | best fixed | auto / full | auto / best |"
+          + (" variant / full | variant / best |" if var else "")
           + f" ({args.new_tokens} new tokens, noise {args.noise}, "
           f"{args.seeds} seeds, verify {args.verify_model}, repeats {args.repeats}"
           + (f", variant {json.dumps(args.variant)}" if var else "") + ")")
@@ -180,7 +179,8 @@ def main():
             a_full, a_best = rate["auto"] / rate["full"], rate["auto"] / fixed[best]
             worst_full.append(a_full)
             worst_best.append(a_best)
-            row = f"| {ctx} | {batch} | {p:.2f} | {best} ({fixed[best] / rate['full']:.2f}x full) | {a_full:.2f} | {a_best:.2f} |"
+            row = (f"| {ctx} | {batch} | {p:.2f} | {best} ({fixed[best] / rate['full']:.2f}x full) | "
+                   f"{a_full:.2f} | {a_best:.2f} |")
             if var:
                 v_full, v_best = rate["variant"] / rate["full"], rate["variant"] / fixed[best]
                 worst_var.append((v_full, v_best))

@@ -81,7 +81,7 @@ if [ "$trc" -ne 0 ]; then echo "TESTS FAILED (rc $trc; full log: tests.log)"; st
 
 step "3/4 kernel microbenchmarks"
 set +e
-timeout 210 "$PY" bench/bench_cuda_kernels.py --out "$RES/kernels_cuda"
+timeout 210 "$PY" -m bench.bench_cuda_kernels --out "$RES/kernels_cuda"
 brc=$?
 set -e
 if [ "$brc" -ne 0 ]; then echo "BENCHMARK FAILED (rc $brc)"; status=1; fi
@@ -89,7 +89,7 @@ if [ "$DEST" != "$RES" ]; then cp -f "$RES"/kernels_cuda.* "$DEST"/ 2>/dev/null 
 
 step "4/4 end to end: random-weight Llama-3-8B shape, 32K context, batch 8, gamma 6, fixed acceptance tau 5"
 set +e
-VEGAS_CUDA_KERNELS=1 timeout 150 "$PY" bench/decode_step_costs.py --model-config llama3-8b --device cuda \
+VEGAS_CUDA_KERNELS=1 timeout 150 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
   --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --reps 3 --no-hf \
   --out "$DEST/e2e_llama3_8b_shape.jsonl"
 erc=$?
@@ -116,7 +116,7 @@ if "$PY" -c "import vllm" 2>/dev/null; then
   printf '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n[project]\nname = "vegas-ext-vllm-entry-point"\nversion = "0"\n[project.entry-points."vllm.general_plugins"]\nvegas = "vegas_ext.vllm:register"\n[tool.setuptools]\npy-modules = []\n' > "$STUB/pyproject.toml"
   set +e
   "$PY" -m pip install -q --no-deps --no-build-isolation "$STUB" \
-    && VEGAS_VLLM_ALLOW_CUDA=1 timeout 600 "$PY" bench/vllm_e2e.py \
+    && VEGAS_VLLM_ALLOW_CUDA=1 timeout 600 "$PY" -m bench.vllm_e2e \
          --contexts 2048 8128 --batches 1 16 --new-tokens 64 --dtype bfloat16 --out "$DEST/vllm_e2e"
   vrc=$?
   "$PY" -m pip uninstall -q -y vegas-ext-vllm-entry-point

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""PNG plots of an end-to-end benchmark run (``bench/e2e.py``'s ``runs.jsonl``).
+"""PNG plots of an end-to-end benchmark run (``bench.e2e``'s ``runs.jsonl``).
 
 Writes, into the results folder:
 
@@ -16,15 +15,13 @@ Writes, into the results folder:
 
 Colour = algorithm, line style = gamma.
 
-Usage: ``python bench/plots.py bench/results/<name>/runs.jsonl`` (or call :func:`write_plots`).
+Called by ``bench.e2e`` after a run and by ``python -m bench.report runs RUNS.jsonl`` (or call
+:func:`write_plots`).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import statistics
-import sys
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -34,12 +31,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from bench.common import median  # noqa: E402
+
 _SPEC = ("hf", "full")
-
-
-def _med(xs):
-    xs = [x for x in xs if isinstance(x, (int, float))]
-    return statistics.median(xs) if xs else None
 
 
 def _base_label(r: Dict[str, Any]) -> str:
@@ -103,56 +97,66 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
     """Write the PNGs (up to five) for ``records`` (dicts as in ``runs.jsonl``) into ``out_dir``; returns their
     paths (a plot without data is skipped). Several contexts / batch sizes / ratios / gammas are
     drawn as small multiples, one panel per cell, colour = algorithm, line style = gamma."""
-    paths = []
     spec = [r for r in records if r.get("algorithm") not in _SPEC and r.get("mean_acceptance_length") is not None]
     gammas = sorted({r.get("num_speculative_tokens") or 0 for r in spec}, key=_gamma_key)
     algos = sorted({_algo(r) for r in records})
+    paths = [mal_plot(spec, out_dir, gammas, algos), throughput_plot(records, out_dir, gammas, algos),
+             per_position_plot(spec, out_dir, gammas, algos), overhead_plot(spec, out_dir), gamma_plot(spec, out_dir)]
+    return [p for p in paths if p]
 
-    # 1. MAL vs ratio, one panel per (context, batch)
+
+def mal_plot(spec: List[Dict[str, Any]], out_dir: str, gammas, algos) -> Optional[str]:
+    """``mal_vs_ratio.png``: pooled MAL vs budget ratio, one panel per (context, batch)."""
+    if not spec:
+        return None
     cells = sorted({(r["context"], r["batch_size"]) for r in spec})
-    if spec:
-        fig, axes = _facets(len(cells))
-        for ax, (ctx, B) in zip(axes, cells):
-            groups = defaultdict(lambda: defaultdict(list))
-            for r in spec:
-                if (r["context"], r["batch_size"]) == (ctx, B):
-                    groups[_base_label(r)][r["sparse_attn_ratio"]].append(r)
-            for key, by_ratio in sorted(groups.items()):
-                xs = sorted(by_ratio)
-                ys = [1 + sum(r.get("num_accepted_tokens") or 0 for r in by_ratio[x])
-                      / max(1, sum(r.get("num_drafts") or 0 for r in by_ratio[x])) for x in xs]
-                color, ls = _style(by_ratio[xs[0]][0], gammas, algos)
-                ax.plot(xs, ys, marker="o", color=color, linestyle=ls, label=key)
-            _label_panel(ax, f"context {ctx}, batch {B}", "KV budget ratio", "mean acceptance length")
-        paths.append(_save_facets(fig, axes, "Acceptance vs budget (pooled over documents)",
-                                  os.path.join(out_dir, "mal_vs_ratio.png")))
+    fig, axes = _facets(len(cells))
+    for ax, (ctx, B) in zip(axes, cells):
+        groups = defaultdict(lambda: defaultdict(list))
+        for r in spec:
+            if (r["context"], r["batch_size"]) == (ctx, B):
+                groups[_base_label(r)][r["sparse_attn_ratio"]].append(r)
+        for key, by_ratio in sorted(groups.items()):
+            xs = sorted(by_ratio)
+            ys = [1 + sum(r.get("num_accepted_tokens") or 0 for r in by_ratio[x])
+                  / max(1, sum(r.get("num_drafts") or 0 for r in by_ratio[x])) for x in xs]
+            color, ls = _style(by_ratio[xs[0]][0], gammas, algos)
+            ax.plot(xs, ys, marker="o", color=color, linestyle=ls, label=key)
+        _label_panel(ax, f"context {ctx}, batch {B}", "KV budget ratio", "mean acceptance length")
+    return _save_facets(fig, axes, "Acceptance vs budget (pooled over documents)",
+                        os.path.join(out_dir, "mal_vs_ratio.png"))
 
-    # 2. tokens/s vs context, one panel per (batch, ratio); plain decoding in every panel
+
+def throughput_plot(records: List[Dict[str, Any]], out_dir: str, gammas, algos) -> Optional[str]:
+    """``tokens_per_s_vs_context.png``: one panel per (batch, ratio), plain decoding in every panel."""
     tp_rs = [r for r in records if r.get("decode_tokens_per_s") is not None]
-    if tp_rs:
-        batches = sorted({r["batch_size"] for r in tp_rs})
-        ratios = sorted({r["sparse_attn_ratio"] for r in tp_rs if r.get("sparse_attn_ratio") is not None}) or [None]
-        panels = [(b, q) for b in batches for q in ratios]
-        fig, axes = _facets(len(panels))
-        for ax, (B, q) in zip(axes, panels):
-            tp = defaultdict(lambda: defaultdict(list))
-            first = {}
-            for r in tp_rs:
-                if r["batch_size"] != B or (r.get("sparse_attn_ratio") not in (None, q)):
-                    continue
-                k = _base_label(r)
-                tp[k][r["context"]].append(r["decode_tokens_per_s"])
-                first.setdefault(k, r)
-            for key, by_ctx in sorted(tp.items()):
-                xs = sorted(by_ctx)
-                color, ls = _style(first[key], gammas, algos)
-                ax.plot(xs, [_med(by_ctx[x]) for x in xs], marker="o", color=color, linestyle=ls, label=key)
-            _label_panel(ax, f"batch {B}" + (f", ratio {q:g}" if q is not None else ""), "context length (tokens)",
-                         "decode tokens/s (all rows)")
-        paths.append(_save_facets(fig, axes, "Throughput vs context (median over documents)",
-                                  os.path.join(out_dir, "tokens_per_s_vs_context.png")))
+    if not tp_rs:
+        return None
+    batches = sorted({r["batch_size"] for r in tp_rs})
+    ratios = sorted({r["sparse_attn_ratio"] for r in tp_rs if r.get("sparse_attn_ratio") is not None}) or [None]
+    panels = [(b, q) for b in batches for q in ratios]
+    fig, axes = _facets(len(panels))
+    for ax, (B, q) in zip(axes, panels):
+        tp = defaultdict(lambda: defaultdict(list))
+        first = {}
+        for r in tp_rs:
+            if r["batch_size"] != B or (r.get("sparse_attn_ratio") not in (None, q)):
+                continue
+            k = _base_label(r)
+            tp[k][r["context"]].append(r["decode_tokens_per_s"])
+            first.setdefault(k, r)
+        for key, by_ctx in sorted(tp.items()):
+            xs = sorted(by_ctx)
+            color, ls = _style(first[key], gammas, algos)
+            ax.plot(xs, [median(by_ctx[x]) for x in xs], marker="o", color=color, linestyle=ls, label=key)
+        _label_panel(ax, f"batch {B}" + (f", ratio {q:g}" if q is not None else ""), "context length (tokens)",
+                     "decode tokens/s (all rows)")
+    return _save_facets(fig, axes, "Throughput vs context (median over documents)",
+                        os.path.join(out_dir, "tokens_per_s_vs_context.png"))
 
-    # 3. per-position acceptance, one panel per gamma, pooled over everything else
+
+def per_position_plot(spec: List[Dict[str, Any]], out_dir: str, gammas, algos) -> Optional[str]:
+    """``per_position_acceptance.png``: one panel per gamma, pooled over everything else."""
     acc = defaultdict(lambda: [None, 0, None])
     for r in spec:
         pp = r.get("num_accepted_tokens_per_pos")
@@ -162,42 +166,41 @@ def write_plots(records: List[Dict[str, Any]], out_dir: str) -> List[str]:
         a[0] = [x + y for x, y in zip(a[0], pp)] if a[0] is not None else list(pp)
         a[1] += r["num_drafts"]
         a[2] = r
-    if acc:
-        gs = sorted({g for g, _ in acc}, key=_gamma_key)
-        fig, axes = _facets(len(gs))
-        for ax, g in zip(axes, gs):
-            for (gg, key), (pp, n, r) in sorted(acc.items(), key=lambda kv: (_gamma_key(kv[0][0]), kv[0][1])):
-                if gg != g:
-                    continue
-                color, ls = _style(r, gammas, algos)
-                ax.plot(range(1, len(pp) + 1), [x / n for x in pp], marker=".", color=color, linestyle=ls, label=key)
-            _label_panel(ax, f"γ = {g}", "draft position", "fraction of drafts accepted up to here")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylim(0, 1.02)
-            ax.legend(fontsize=6)
-        fig.suptitle("Per-position acceptance (pooled over contexts, batches, ratios, documents)")
-        paths.append(_save(fig, os.path.join(out_dir, "per_position_acceptance.png")))
+    if not acc:
+        return None
+    gs = sorted({g for g, _ in acc}, key=_gamma_key)
+    fig, axes = _facets(len(gs))
+    for ax, g in zip(axes, gs):
+        for (gg, key), (pp, n, r) in sorted(acc.items(), key=lambda kv: (_gamma_key(kv[0][0]), kv[0][1])):
+            if gg != g:
+                continue
+            color, ls = _style(r, gammas, algos)
+            ax.plot(range(1, len(pp) + 1), [x / n for x in pp], marker=".", color=color, linestyle=ls, label=key)
+        _label_panel(ax, f"γ = {g}", "draft position", "fraction of drafts accepted up to here")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=6)
+    fig.suptitle("Per-position acceptance (pooled over contexts, batches, ratios, documents)")
+    return _save(fig, os.path.join(out_dir, "per_position_acceptance.png"))
 
-    # 4. selection overhead share, one bar per configuration without the ratio
+
+def overhead_plot(spec: List[Dict[str, Any]], out_dir: str) -> Optional[str]:
+    """``selection_overhead.png``: one bar per configuration without the ratio."""
     sh = defaultdict(list)
     for r in spec:
         if r.get("select_overhead_share") is not None:
             sh[_base_label(r)].append(r["select_overhead_share"])
-    if sh:
-        keys = sorted(sh)
-        fig, ax = plt.subplots(figsize=(7, max(2.5, 0.3 * len(keys) + 1)))
-        ax.barh(range(len(keys)), [100 * _med(sh[k]) for k in keys])
-        ax.set_yticks(range(len(keys)))
-        ax.set_yticklabels(keys, fontsize=7)
-        ax.set_xlabel("selection time, % of an iteration (median over runs)")
-        ax.set_title("Selection overhead")
-        ax.grid(alpha=0.3, axis="x")
-        paths.append(_save(fig, os.path.join(out_dir, "selection_overhead.png")))
-
-    p = gamma_plot(spec, out_dir)
-    if p:
-        paths.append(p)
-    return paths
+    if not sh:
+        return None
+    keys = sorted(sh)
+    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.3 * len(keys) + 1)))
+    ax.barh(range(len(keys)), [100 * median(sh[k]) for k in keys])
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels(keys, fontsize=7)
+    ax.set_xlabel("selection time, % of an iteration (median over runs)")
+    ax.set_title("Selection overhead")
+    ax.grid(alpha=0.3, axis="x")
+    return _save(fig, os.path.join(out_dir, "selection_overhead.png"))
 
 
 def gamma_plot(records: List[Dict[str, Any]], out_dir: str) -> Optional[str]:
@@ -219,21 +222,3 @@ def gamma_plot(records: List[Dict[str, Any]], out_dir: str) -> Optional[str]:
         return _save_facets(fig, axes, "γ chosen per iteration (num_speculative_tokens=auto)",
                             os.path.join(out_dir, "gamma_per_iteration.png"))
     return None
-
-
-def main(argv=None) -> int:
-    """``plots.py RUNS_JSONL [OUT_DIR]``: write the plots next to the runs (or into OUT_DIR)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print(__doc__, file=sys.stderr)
-        return 2
-    with open(argv[0]) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    out = argv[1] if len(argv) > 1 else os.path.dirname(os.path.abspath(argv[0]))
-    for p in write_plots(records, out):
-        print(p)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

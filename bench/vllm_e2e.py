@@ -3,8 +3,8 @@ vegas_ext plugin, on the embedded SmolLM2-135M, at several contexts x batch size
 
 Run in the vLLM venv (scripts/test_vllm.sh makes one):
 
-    python bench/vllm_e2e.py --contexts 2048 4096 8128 --batches 1 4 16 --new-tokens 64 \
-        --out bench/results/vllm_cpu
+    python -m bench.vllm_e2e --contexts 2048 4096 8128 --batches 1 4 16 --new-tokens 64 \
+        --out bench/results/tmp/vllm_e2e
 
 One engine per method, each in its own process (the stock methods with the plugin filtered out of
 every vLLM process, ``VLLM_PLUGINS=""``), all methods in one invocation, one after the other.
@@ -24,6 +24,8 @@ import platform
 import subprocess
 import sys
 import time
+
+from bench.common import commit_label
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -84,7 +86,8 @@ def worker(args):
                 row = {"method": args.method, "context": ctx, "batch": B, "new_tokens": args.new_tokens,
                        "seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt,
                        "num_drafts": drafts, "num_accepted": d.get("vllm:spec_decode_num_accepted_tokens", 0),
-                       "mean_acceptance_length": (1 + d["vllm:spec_decode_num_accepted_tokens"] / drafts) if drafts else None,
+                       "mean_acceptance_length": (1 + d["vllm:spec_decode_num_accepted_tokens"] / drafts)
+                       if drafts else None,
                        "init_s": init_s, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -116,7 +119,8 @@ def summarize(rows, cfg):
         same = ", ".join(f"{m}: {('yes' if by[m]['tokens'] == b['tokens'] else 'no') if b else '– (no baseline run)'}"
                          for m in methods if m != "none" and m in by)
         lines.append(f"| {ctx} | {B} | " + " | ".join(tps) + " | " + " | ".join(mals) + f" | {same} |")
-    head = (f"vLLM {cfg['vllm']} ({cfg['device']}, {cfg['threads']}), SmolLM2-135M-Instruct {cfg['dtype']}, block {cfg['block_size']}, "
+    head = (f"vLLM {cfg['vllm']} ({cfg['device']}, {cfg['threads']}), SmolLM2-135M-Instruct {cfg['dtype']}, "
+            f"block {cfg['block_size']}, "
             f"eager; greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']}; "
             f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens; ngram lookup 2-4. "
             f"Commit {cfg['commit']}. Output tokens/s (ratio to no speculation), MAL = mean acceptance length "
@@ -136,7 +140,7 @@ def main():
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--dtype", default="float32", help="model dtype (GPU FlashAttention needs bfloat16/float16)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "vllm_cpu"))
+    p.add_argument("--out", default=os.path.join(HERE, "results", "tmp", "vllm_e2e"))
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -149,11 +153,12 @@ def main():
         os.remove(runs)
     import vllm
 
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_label()
     cfg = {k: v for k, v in vars(args).items() if k not in ("method", "worker_out")}
     import torch
 
-    cfg.update(vllm=vllm.__version__, commit=commit, device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU", machine=platform.machine(),
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    cfg.update(vllm=vllm.__version__, commit=commit, device=device, machine=platform.machine(),
                threads=f"{os.cpu_count()} cores", started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -162,13 +167,14 @@ def main():
                    TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
         if m in ("none", "ngram"):
             env["VLLM_PLUGINS"] = ""
-        cmd = [sys.executable, __file__, "--method", m, "--worker-out", runs, "--contexts", *map(str, args.contexts),
+        cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
+               "--contexts", *map(str, args.contexts),
                "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
                "--ratio", str(args.ratio), "--min-tokens", str(args.min_tokens), "--block-size", str(args.block_size),
                "--dtype", args.dtype]
         if args.model:
             cmd += ["--model", args.model]
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run(cmd, env=env, check=True, cwd=ROOT)
     with open(runs) as f:
         rows = [json.loads(line) for line in f]
     text = summarize(rows, cfg)

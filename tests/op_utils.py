@@ -106,7 +106,10 @@ def run_with_isa(script, isa, **fields):
     import sys
     from pathlib import Path
 
-    code = script.format(tests=str(Path(__file__).parent), **fields)
-    env = dict(os.environ, VEGAS_CPU_ISA=isa)
+    tests = str(Path(__file__).parent)
+    code = script.format(tests=tests, **fields)
+    # the script imports the tests' helpers (op_utils, test modules) from this folder
+    env = dict(os.environ, VEGAS_CPU_ISA=isa,
+               PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

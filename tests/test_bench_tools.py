@@ -1,21 +1,234 @@
-"""The torch-free C++ benchmarks of the CPU attention loop (bench/cpu_attend_microbench.cpp,
-bench/cpu_microkernel_rates.cpp) build against the current kernel headers and run. They are not
-part of the extension, so nothing else would notice when a kernel change breaks them. Timings
-are not checked (performance lives in bench/, not in tests); the loop's result is."""
+"""The benchmark tools: the ``bench`` package's shared helpers and reporter, the end-to-end harness
+on a tiny model folder, the step-cost script on a random-weight model, and the torch-free C++
+benchmarks of the CPU attention loop (bench/cpu_attend_microbench.cpp,
+bench/cpu_microkernel_rates.cpp), which build against the current kernel headers. None of them is
+part of the extension, so nothing else would notice when a change breaks them. Timings are not
+checked (performance lives in bench/, not in tests); results and recorded fields are."""
+import ast
+import json
 import os
 import platform
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
-                                reason="needs g++ on x86_64")
+from bench import common, e2e, report
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+needs_gpp = pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                               reason="needs g++ on x86_64")
+
+
+
+# ------------------------------------------------------------------ the package and its helpers
+
+def _python_files(*folders):
+    for folder in folders:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            if "results" not in dirpath:
+                yield from (os.path.join(dirpath, f) for f in files if f.endswith(".py"))
+
+
+def test_no_sys_path_edits_in_bench_or_tests():
+    """bench/ is one package run as ``python -m bench.<script>`` and tests/ gets its folders from
+    pytest's ``pythonpath``: no file edits ``sys.path`` (a renamed folder would break silently)."""
+    offenders = []
+    for path in _python_files("bench", "tests"):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"):
+                offenders.append(os.path.relpath(path, ROOT))
+                break
+    assert offenders == []
+
+
+def test_common_statistics_skip_missing_values():
+    assert common.median([3, None, 1, "x", 2.5]) == 2.5
+    assert common.median([None, "–"]) is None
+    assert common.gmean([1, 4, None, 0, -1]) == pytest.approx(2.0)
+    assert common.gmean([]) is None
+    assert common.fmt(None) == "–" and common.fmt(1.234) == "1.23" and common.fmt(7.0, "{:.0f}") == "7"
+
+
+def test_git_commit_names_this_checkout():
+    sha, dirty = common.git_commit()
+    want = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert sha == want and isinstance(dirty, bool)
+    short, _ = common.git_commit(short=True)
+    assert want.startswith(short) and common.commit_label().split("-")[0] == short
+    assert common.git_commit(tree="/") == (None, None) and common.commit_label("/") == "unknown"
+
+
+def test_kernel_grid_has_no_second_tree():
+    """The two-processes-at-once A/B (``--old-tree``, biased 10-20 % on a 2-core VM) is gone;
+    ab_trees_cpu is the A/B."""
+    from bench import bench_kernels_cpu
+
+    with pytest.raises(SystemExit):
+        bench_kernels_cpu.parse_args(["--grid", "--old-tree", "/tmp"])
+    assert bench_kernels_cpu.parse_args(["--grid"]).grid
+
+
+# ------------------------------------------------------------------ the reporter, on committed runs
+
+def test_report_gamma_reproduces_the_committed_table(tmp_path, capsys):
+    """``report gamma`` over the committed Xeon runs writes exactly the committed summary (the README's
+    γ table: 8K batch 4, auto 1.59x full, 1.00 of the best fixed γ)."""
+    runs = [os.path.join(RESULTS, "gamma_xeon_avx512", d, "runs.jsonl") for d in ("kjv_256tok_b1", "kjv_256tok_b4")]
+    assert report.main(["gamma", *runs, "--out", str(tmp_path)]) == 0
+    got = (tmp_path / "summary.md").read_text()
+    assert got == open(os.path.join(RESULTS, "gamma_xeon_avx512", "summary.md")).read()
+    assert re.search(r"^\| 7927 \| 4 \| \*\*1\.59\*\* \|.* \| 1\.00 \|$", got, re.M)
+
+
+def test_report_figure_pools_the_committed_grid(tmp_path, capsys):
+    """The acceptance grid pooled per algorithm over every cell: the README's 4.24 / 4.12 / 3.83."""
+    runs = sorted(os.path.join(RESULTS, "acceptance_grid_xeon_avx512", d, "runs.jsonl")
+                  for d in os.listdir(os.path.join(RESULTS, "acceptance_grid_xeon_avx512")) if d.startswith("part_"))
+    acc, blocks = report.pooled_by_budget(runs)
+    pooled = {a: 1 + sum(v[0] for k, v in acc.items() if k[0] == a) / sum(v[1] for k, v in acc.items() if k[0] == a)
+              for a in report.RIVALS}
+    assert {a: round(m, 2) for a, m in pooled.items()} == {"vegas": 4.24, "quest": 4.12, "streamingllm": 3.83}
+    assert blocks["vegas"] == {16}
+    assert report.main(["figure", *runs, "--out", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").stat().st_size > 10000
+
+
+def test_report_rejects_missing_runs_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        report.main(["gamma", str(tmp_path / "none.jsonl")])
+    assert "runs file not found" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the end-to-end harness
+
+RUN_FIELDS = [
+    "algorithm", "variant", "query_weights", "share_selection_across_heads", "selection_refresh_interval",
+    "context", "batch_size", "num_speculative_tokens", "sparse_attn_ratio", "block_size", "dtype", "device",
+    "torch", "transformers", "git_commit", "mean_acceptance_length", "draft_acceptance_rate",
+    "num_accepted_tokens_per_pos", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_full", "speedup_vs_hf",
+    "time_draft_s", "time_verify_s", "time_select_s", "identical_to_plain", "cost_model_speedup_bound",
+    "select_overhead_share",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_doc_model_dir(tmp_path_factory):
+    """A tiny Llama (2 layers, 512 positions) + a 600-word word-level tokenizer trained on the documents."""
+    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from vegas_ext import documents
+
+    folder = str(tmp_path_factory.mktemp("tiny-doc-llama"))
+    tk = Tokenizer(tmodels.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [documents.load_document(d)[:200_000] for d in ("pride_and_prejudice", "kjv")]
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tk.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=600, special_tokens=specials))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, capsys):
+    out = tmp_path / "res"
+    argv = ["--model", tiny_doc_model_dir, "--docs", "pride_and_prejudice", "--context-lengths", "200,300",
+            "--batch-sizes", "1,2",
+            "--algorithms", "hf,full,vegas,streamingllm,quest,vegas/first_last/shared/refresh=2/bs=1",
+            "--num-speculative-tokens", "3", "--ratios", "0.05,0.1", "--min-tokens", "16", "--max-new-tokens", "6",
+            "--repeats", "1", "--out", str(out), "--threads", "1"]
+    assert e2e.main(argv) == 0
+    recs = [json.loads(line) for line in open(out / "runs.jsonl")]
+    labels = {r["label"] for r in recs}
+    assert {"hf", "full"} <= labels
+    assert {r["algorithm"] for r in recs} == {"hf", "full", "vegas", "streamingllm", "quest"}
+    assert any(r["variant"] == "first_last/shared/refresh=2/bs=1" and r["block_size"] == 1
+               and r["query_weights"] == "first_last" and r["share_selection_across_heads"]
+               and r["selection_refresh_interval"] == 2 for r in recs)
+    assert len(recs) == 2 * 2 * (2 + 4 * 2)  # contexts x batches x configurations
+    for r in recs:
+        for f in RUN_FIELDS:
+            assert f in r, f
+        assert r["identical_to_plain"] is True, r["label"]
+        if r["algorithm"] not in ("hf", "full"):
+            assert r["mean_acceptance_length"] >= 1.0 and len(r["num_accepted_tokens_per_pos"]) == 3
+            assert r["cost_model_speedup_bound"] is not None and r["select_overhead_share"] is not None
+            assert r["speedup_vs_full"] is not None and r["speedup_vs_hf"] is not None
+    assert any(r["algorithm"] == "quest" and r["time_select_inline_s"] > 0 for r in recs)
+    md = (out / "summary.md").read_text()
+    assert "python -m bench.e2e --model" in md and "bound" in md
+    for png in ("mal_vs_ratio.png", "tokens_per_s_vs_context.png", "per_position_acceptance.png",
+                "selection_overhead.png"):
+        assert (out / png).stat().st_size > 1000, png
+
+    # the pooled report over the run (as for a grid split over processes): pooled MAL equals a
+    # recomputation from the raw counts, and every cell of the grid gets a row
+    rep = tmp_path / "rep"
+    assert report.main(["grid", str(out / "runs.jsonl"), "--out", str(rep), "--no-plots"]) == 0
+    text = (rep / "summary.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 200 |") or line.startswith("| 300 |")]
+    cell_rows = [line for line in rows if line.count("|") > 12]
+    assert len(cell_rows) == 2 * 2 * 2  # contexts x batches x ratios (gamma 3 only)
+    sel = [r for r in recs if r["algorithm"] == "vegas" and not r["variant"] and r["context_requested"] == 200
+           and r["batch_size"] == 2 and r["sparse_attn_ratio"] == 0.1]
+    want = 1 + sum(r["num_accepted_tokens"] for r in sel) / sum(r["num_drafts"] for r in sel)
+    assert abs(report.pooled_mal(sel) - want) < 1e-12
+    row = next(line for line in cell_rows if line.startswith("| 200 | 2 | 3 | 0.1 |"))
+    assert f"{want:.2f}" == row.split("|")[5].strip()
+    assert "identical to our plain decoding in" in text and "## Every run" in text
+
+
+def test_e2e_harness_prompt_files(tiny_doc_model_dir, tmp_path):
+    """--docs takes paths of text files too (prompt files); a missing file is a clear CLI error."""
+    from transformers import AutoTokenizer
+
+    from vegas_ext import documents
+
+    f = tmp_path / "notes.txt"
+    f.write_text(documents.load_document("kjv")[:20000], encoding="utf-8")
+    text, instr = e2e.document_text(str(f))
+    assert text.startswith(documents.load_document("kjv")[:100]) and instr == e2e.FILE_INSTRUCTION
+    tok = AutoTokenizer.from_pretrained(tiny_doc_model_dir)
+    ids, mask = e2e.build_batch(tok, str(f), 150, 2, chat=False)
+    assert ids.shape == (2, 150) and bool(mask.all())
+    assert ids[0].tolist() != ids[1].tolist()  # rows start at different places of the file
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--docs", str(tmp_path / "missing.txt")])
+    with pytest.raises(ValueError, match="neither one of"):
+        e2e.document_text(str(tmp_path / "missing.txt"))
+
+
+def test_decode_step_costs_random_model_smoke(tmp_path):
+    """bench/decode_step_costs.py (the GPU check's end-to-end step) runs on a random-weight model
+    and writes the iteration costs and the cost-model prediction."""
+    out = tmp_path / "costs.jsonl"
+    subprocess.run([sys.executable, "-m", "bench.decode_step_costs", "--model-config", "tiny",
+                    "--contexts", "300", "--batches", "2", "--gamma", "3", "--tau", "2.5", "--reps", "1",
+                    "--min-tokens", "16", "--threads", "1", "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    rec = json.loads(out.read_text().splitlines()[0])
+    assert rec["model"] == "tiny" and rec["context"] == 300 and rec["batch"] == 2 and rec["block_size"] == 1
+    for k in ("full_step_ms", "draft_step_ms", "verify_ms", "select_ms", "hf_step_ms"):
+        assert rec[k] > 0, k
+    it = 3 * rec["draft_step_ms"] + rec["verify_ms"] + rec["select_ms"]
+    assert abs(rec["vegas_iteration_ms"] - it) < 0.05
+    assert abs(rec["pred_speedup_vs_full"] - 2.5 * rec["full_step_ms"] / it) < 0.02
+
+
+# ------------------------------------------------------------------ the torch-free C++ benchmarks
 
 def _build(src, tmp_path):
     exe = str(tmp_path / os.path.basename(src).replace(".cpp", ""))
@@ -27,10 +240,12 @@ def _build(src, tmp_path):
     return exe
 
 
+@needs_gpp
 def test_attend_microbench_matches_softmax_sums(tmp_path):
     exe = _build("cpu_attend_microbench.cpp", tmp_path)
     Q, G, D, S = 3, 2, 37, 203
-    r = subprocess.run([exe, str(Q), str(G), str(D), str(S), "5", "2", "2"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([exe, str(Q), str(G), str(D), str(S), "5", "2", "2"], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     m = re.search(r"median ([0-9.]+) ms, ([0-9.]+) GFLOP/s \(acc0 (\S+), l0 (\S+)\)", r.stdout)
     assert m, r.stdout
@@ -49,6 +264,7 @@ def test_attend_microbench_matches_softmax_sums(tmp_path):
     assert float(m.group(4)) == pytest.approx(l0, rel=1e-4)
 
 
+@needs_gpp
 @pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="AVX-512 only")
 def test_microkernel_rates_builds_and_runs(tmp_path):
     exe = _build("cpu_microkernel_rates.cpp", tmp_path)

@@ -132,7 +132,8 @@ def test_json_batch_of_prompts_and_repeat(tiny_model_dir, capsys):
 
 def test_chat_and_full_algorithm(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the ball", "--chat",
-                            "--algorithm", "full", "--max-new-tokens", "4", "--json", "--json-prompt-ids", "--no-progress"], capsys)
+                            "--algorithm", "full", "--max-new-tokens", "4", "--json", "--json-prompt-ids",
+                            "--no-progress"], capsys)
     assert rc == 0, err
     d = json.loads(out)
     tok_dir = tiny_model_dir
@@ -290,7 +291,8 @@ def test_help_and_argument_errors_do_not_import_torch(tmp_path):
              "for argv in (['generate', '--help'], ['generate', '--ratio', '0'], ['generate', '--frobnicate'],\n"
              "             ['generate', '--algorithm', 'magic'], ['generate', '--dtype', 'int3']):\n"
              "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
-             "print('SECONDS', time.perf_counter() - t, 'HEAVY', sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+             "print('SECONDS', time.perf_counter() - t, 'HEAVY',\n"
+             "      sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_subprocess_env(tmp_path),
                        timeout=120)
     assert r.returncode == 0, r.stderr
@@ -313,7 +315,7 @@ def test_algorithm_list_matches_the_registry():
     """The CLI checks --algorithm before importing torch, against a list kept equal to the registry."""
     import vegas_ext
 
-    vegas_ext.generate  # registers the rivals
+    vegas_ext.generate  # noqa: B018  (the attribute access registers the rivals)
     from vegas_ext.decode import SELECTION_ALGORITHMS
 
     public = sorted(n for n in SELECTION_ALGORITHMS if not n.startswith("_"))  # "_test_*": other test files

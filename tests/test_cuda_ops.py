@@ -26,6 +26,9 @@ import os
 import pytest
 import torch
 
+from vegas_ext import ops, reference
+
+from cuda_emu import load_emulator
 from op_utils import (
     ATTN_SHAPES,
     assert_verify_matches,
@@ -36,8 +39,6 @@ from op_utils import (
     shape_id,
     verify_case,
 )
-from cuda_emu import load_emulator
-from vegas_ext import ops, reference
 
 HAS_GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
@@ -259,7 +260,8 @@ def test_emulated_no_host_copies_unless_value_checks_requested(monkeypatch):
         emu.verify_attention(q, k, v, bad, 1, 0.125, None, False, 3, -1, 4)
 
 
-@pytest.mark.parametrize("bs,mode", [(1, "score_pass"), (7, "score_pass"), (15, "score_pass"), (16, "slots"), (20, "slots"), (2**62, "slots")])
+@pytest.mark.parametrize("bs,mode", [(1, "score_pass"), (7, "score_pass"), (15, "score_pass"), (16, "slots"),
+                                     (20, "slots"), (2**62, "slots")])
 def test_block_score_mode_by_block_size(bs, mode):
     emu = _emu()
     for dt, aligned in ((torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)):
@@ -287,8 +289,10 @@ def test_workspace_formula_matches_launch_plan(shape):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             for aligned in (True, False):
                 for sms in (1, 108, 132):
-                    got = ops.cuda_workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dtype=dt, aligned=aligned, num_sms=sms)
-                    assert got == emu.workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dt, aligned, sms, 4), (op, dt, aligned, sms)
+                    got = ops.cuda_workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dtype=dt, aligned=aligned,
+                                                   num_sms=sms)
+                    want = emu.workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dt, aligned, sms, 4)
+                    assert got == want, (op, dt, aligned, sms)
 
 
 def test_workspace_llama3_8b_128k_batch32():
@@ -566,7 +570,8 @@ def _decode_step_setup(layers=3, B=2, Hq=8, Hkv=2, D=64, S=1024, bs=1, gamma=3, 
         qd=rnd(gamma, layers, B, 1, Hq, D), kd=rnd(gamma, layers, B, Hkv, 1, D), vd=rnd(gamma, layers, B, Hkv, 1, D),
         qv=rnd(layers, B, gamma + 1, Hq, D),
         lens=torch.tensor([S // 2, S - gamma - 5], dtype=torch.int32, device=CUDA),
-        idx=torch.stack([torch.randperm((S // 2 - 8) // bs, generator=g)[:K].sort().values for _ in range(B * Hkv)]).int().view(B, Hkv, K).to(CUDA),
+        idx=torch.stack([torch.randperm((S // 2 - 8) // bs, generator=g)[:K].sort().values
+                         for _ in range(B * Hkv)]).int().view(B, Hkv, K).to(CUDA),
     )
     scale = D ** -0.5
 
@@ -583,7 +588,8 @@ def _decode_step_setup(layers=3, B=2, Hq=8, Hkv=2, D=64, S=1024, bs=1, gamma=3, 
         vlens = lens + gamma  # the verification sees the gamma drafts and the last accepted token
         scores = []
         for l in range(layers):
-            out, lse, bsc = torch.ops.vegas.verify_attention(st["qv"][l], st["k"][l], st["v"][l], vlens, bs, scale, None)
+            out, lse, bsc = torch.ops.vegas.verify_attention(st["qv"][l], st["k"][l], st["v"][l], vlens, bs, scale,
+                                                             None)
             outs += [out, lse]
             scores.append(bsc)
         sc = torch.stack(scores).sum(0)
@@ -664,9 +670,10 @@ def test_cuda_workspace_matches_formula(bs):
     idx = random_selection(B, Hkv, -(-S // bs), K).to(CUDA)
     tail = (lens - 1).to(torch.int32)
     q1 = q[:, :1].contiguous()
-    for op, call, outs in (
+    for op, call, _outs in (
         ("verify_attention", lambda: torch.ops.vegas.verify_attention(q, k, v, lens, bs, D ** -0.5, None), 3),
-        ("sparse_draft_attention", lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, D ** -0.5), 1),
+        ("sparse_draft_attention",
+         lambda: torch.ops.vegas.sparse_draft_attention(q1, k, v, idx, tail, lens, bs, D ** -0.5), 1),
     ):
         call()
         torch.cuda.synchronize()

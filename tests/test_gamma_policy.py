@@ -174,8 +174,8 @@ def test_auto_climbs_out_of_short_drafts_after_early_rejections():
             if g >= 2 and bad < 2:
                 acc, bad = [1, g, 1, g], bad + 1
             gs.append(g)
-            p.observe_iteration(IterationCosts(g, g * 0.6 * t, verify[g + 1] * t, 0.035 * t if g else 0.0, scored=g > 0),
-                                torch.tensor([g] * 4), torch.tensor(acc))
+            costs = IterationCosts(g, g * 0.6 * t, verify[g + 1] * t, 0.035 * t if g else 0.0, scored=g > 0)
+            p.observe_iteration(costs, torch.tensor([g] * 4), torch.tensor(acc))
         return gs
 
     flat = run(AutoGamma(8))  # climbing is off by default
@@ -452,9 +452,9 @@ def test_auto_verify_cost_is_at_least_one_plain_step():
 
 
 def test_ab_gamma_policy_runs_and_checks_tokens(tiny_model_dir):  # noqa: F811
-    """bench/ab_gamma_policy.py: every configuration's tokens equal plain decoding's, and the
+    """``python -m bench.ab_gamma_policy``: every configuration's tokens equal plain decoding's, and the
     table has one row per configuration (``full`` at 1.000 by definition)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_gamma_policy.py"), "--model", tiny_model_dir,
+    r = subprocess.run([sys.executable, "-m", "bench.ab_gamma_policy", "--model", tiny_model_dir,
                         "--context", "48", "--batch", "2", "--max-new-tokens", "6", "--rounds", "2",
                         "--variants", '{"climb": {"climb": true}, "gamma 2": 2}'],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -462,7 +462,8 @@ def test_ab_gamma_policy_runs_and_checks_tokens(tiny_model_dir):  # noqa: F811
     runs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(runs) == 6 and all(x["identical_to_plain"] for x in runs)
     assert {x["name"] for x in runs} == {"full", "climb", "gamma 2"}
-    assert re.search(r"^\| full \| 1\.000 \|", r.stdout, re.M) and re.search(r"^\| gamma 2 \| [0-9.]+ \|", r.stdout, re.M)
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ab_gamma_policy.py"), "--variants", '{"x": {"bogus": 1}}'],
+    assert re.search(r"^\| full \| 1\.000 \|", r.stdout, re.M)
+    assert re.search(r"^\| gamma 2 \| [0-9.]+ \|", r.stdout, re.M)
+    bad = subprocess.run([sys.executable, "-m", "bench.ab_gamma_policy", "--variants", '{"x": {"bogus": 1}}'],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--variants: 'x'" in bad.stderr

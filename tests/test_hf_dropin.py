@@ -1,7 +1,6 @@
 """The Hugging Face drop-in: patching, fallback equality, model checks, and the real SmolLM2."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -32,7 +31,8 @@ def test_patched_model_matches_unpatched_forward_and_generate(family):
         gen = hf_greedy(model, ids, mask, 12, eos_token_id=[])
         assert torch.equal(gen, ref_gen), first_diff(gen, ref_gen)
         # our loop on an already patched model leaves it patched, and HF generate still works after
-        out = vegas_ext.generate(model, ids, mask, max_new_tokens=12, eos_token_id=[], sparse_attn_min_tokens=8, block_size=4)
+        out = vegas_ext.generate(model, ids, mask, max_new_tokens=12, eos_token_id=[], sparse_attn_min_tokens=8,
+                                 block_size=4)
         assert torch.equal(out.sequences, ref_gen), first_diff(out.sequences, ref_gen)
         assert is_patched(model)
         gen2 = hf_greedy(model, ids, mask, 12, eos_token_id=[])
@@ -81,7 +81,8 @@ def test_sliding_window_covering_the_context_is_accepted():
     model = make_model("mistral", sliding_window=64)
     ids, mask = make_prompts(model.config.vocab_size, [30, 21], seed=4)
     ref = hf_greedy(model, ids, mask, 20, eos_token_id=[])
-    out = vegas_ext.generate(model, ids, mask, max_new_tokens=20, eos_token_id=[], sparse_attn_min_tokens=8, block_size=4)
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=20, eos_token_id=[], sparse_attn_min_tokens=8,
+                             block_size=4)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
     assert not is_patched(model)
     # Qwen2/3 configs with use_sliding_window=False have no window at all
@@ -89,7 +90,8 @@ def test_sliding_window_covering_the_context_is_accepted():
 
 
 def test_unsupported_model_is_refused():
-    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=64, bos_token_id=0, eos_token_id=0))
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=64, bos_token_id=0,
+                                   eos_token_id=0))
     with pytest.raises(ValueError, match="unsupported model"):
         patch_model(m)
     with pytest.raises(ValueError, match="unsupported model"):

@@ -26,7 +26,8 @@ def verify_args(**over):
 
 def call_verify(impl, a):
     if impl == "kernel":
-        return torch.ops.vegas.verify_attention(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"], a["block_size"], a["scale"], a["query_weights"])
+        return torch.ops.vegas.verify_attention(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"], a["block_size"],
+                                                a["scale"], a["query_weights"])
     return ops._verify_fallback(**a)
 
 
@@ -84,9 +85,12 @@ def call_draft(impl, a):
 
 
 DRAFT_BAD = {
-    "index too large": (dict(block_indices=torch.tensor([[[3, -1]] * Hkv, [[1, 0]] * Hkv], dtype=torch.int32)), "block_indices"),
-    "index below -1": (dict(block_indices=torch.tensor([[[-2, -1]] * Hkv, [[1, 0]] * Hkv], dtype=torch.int32)), "block_indices"),
-    "duplicate": (dict(block_indices=torch.tensor([[[1, 1]] * Hkv, [[1, 0]] * Hkv], dtype=torch.int32)), "block_indices"),
+    "index too large": (dict(block_indices=torch.tensor([[[3, -1]] * Hkv, [[1, 0]] * Hkv], dtype=torch.int32)),
+                       "block_indices"),
+    "index below -1": (dict(block_indices=torch.tensor([[[-2, -1]] * Hkv, [[1, 0]] * Hkv], dtype=torch.int32)),
+                      "block_indices"),
+    "duplicate": (dict(block_indices=torch.tensor([[[1, 1]] * Hkv, [[1, 0]] * Hkv], dtype=torch.int32)),
+                 "block_indices"),
     "indices dtype": (dict(block_indices=torch.zeros(B, Hkv, 2, dtype=torch.int64)), "block_indices"),
     "indices heads": (dict(block_indices=torch.zeros(B, Hkv + 1, 2, dtype=torch.int32)), "block_indices"),
     "tail past seq_lens - Q": (dict(tail_start=torch.tensor([S, 10], dtype=torch.int32)), "tail_start"),
@@ -238,4 +242,7 @@ def test_quest_fakes_validate_like_kernels():
         torch.ops.vegas.quest_block_scores(q, mn, mn, torch.tensor([2, 2], dtype=torch.int32, device="meta"))
     k = torch.randn(2, 3, 40, 64, device="meta")
     with pytest.raises(ERR, match="key_min"):
-        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 4, 64, device="meta"), torch.zeros(2, 3, 4, 64, device="meta"), k, torch.zeros(2, dtype=torch.int32, device="meta"), torch.zeros(2, dtype=torch.int32, device="meta"), 16)
+        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 4, 64, device="meta"),
+                                            torch.zeros(2, 3, 4, 64, device="meta"), k,
+                                            torch.zeros(2, dtype=torch.int32, device="meta"),
+                                            torch.zeros(2, dtype=torch.int32, device="meta"), 16)

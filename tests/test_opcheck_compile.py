@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from op_utils import make_inputs, random_selection
 from vegas_ext import ops  # noqa: F401  (registers fakes)
+
+from op_utils import make_inputs, random_selection
 
 
 def _verify_args(dtype=torch.float32):
@@ -23,7 +24,8 @@ def _draft_args():
 
 
 def _topk_args():
-    return (torch.rand(3, 4, 50), torch.tensor([3, 9, 0], dtype=torch.int32), torch.tensor([50, 20, 7], dtype=torch.int32), 8, 1)
+    return (torch.rand(3, 4, 50), torch.tensor([3, 9, 0], dtype=torch.int32),
+            torch.tensor([50, 20, 7], dtype=torch.int32), 8, 1)
 
 
 OPS = {

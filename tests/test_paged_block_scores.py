@@ -12,8 +12,8 @@ def _paged_case(q_lens, seq_lens, Hq, Hkv, D, ps, dtype, *, seed=0, layout="cpu"
     """Random packed queries and a shuffled paged key cache holding each request's keys.
 
     Returns (q [T, Hq, D], key_cache view [NP, Hkv, ps, D], block_table, seq_lens, qsl, dense keys per request).
-    layout "cpu": the K half of a [NP, Hkv, 2 * ps, D] cache; "cpu_vec": vLLM's CPU cache, keys [D, ps] per page; "flash": a [NP, ps, Hkv, D] cache
-    viewed as [NP, Hkv, ps, D] (vLLM flash layout)."""
+    layout "cpu": the K half of a [NP, Hkv, 2 * ps, D] cache; "cpu_vec": vLLM's CPU cache, keys [D, ps] per page;
+    "flash": a [NP, ps, Hkv, D] cache viewed as [NP, Hkv, ps, D] (vLLM flash layout)."""
     g = torch.Generator().manual_seed(seed)
     R = len(q_lens)
     pages_per = [-(-L // ps) for L in seq_lens]
@@ -73,7 +73,8 @@ def test_equals_verify_attention_block_scores():
     Hq, Hkv, D, ps, L, Q = 9, 3, 64, 16, 200, 5
     q, kc, bt, lens, qsl = _paged_case([Q], [L], Hq, Hkv, D, ps, torch.float32, seed=3)
     dense_k = kc[bt[0, : -(-L // ps)].long()].permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :L].unsqueeze(0)
-    _, _, bs_scores = ops.verify_attention(q.unsqueeze(0), dense_k.contiguous(), dense_k.contiguous(), lens, ps, D ** -0.5)
+    _, _, bs_scores = ops.verify_attention(q.unsqueeze(0), dense_k.contiguous(), dense_k.contiguous(), lens, ps,
+                                           D ** -0.5)
     got = ops.paged_block_scores(q, kc, bt, lens, qsl, Q, D ** -0.5)
     torch.testing.assert_close(got[0, :, : bs_scores.shape[-1]], bs_scores[0], atol=2e-5, rtol=1e-4)
 

@@ -14,9 +14,10 @@
 import pytest
 import torch
 
+from vegas_ext import ops, reference
+
 from cuda_emu import load_emulator
 from test_paged_block_scores import _paged_case
-from vegas_ext import ops, reference
 
 HAS_GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
@@ -72,7 +73,8 @@ def test_emulated_other_layouts(case, dtype, layout):
     q_lens, seq_lens, Hq, Hkv, D, ps = case
     q, kc, bt, lens, qsl = _paged_case(q_lens, seq_lens, Hq, Hkv, D, ps, dtype, layout=layout)
     got = _emu_call(emu, q, kc, bt, lens, qsl, 5, D ** -0.5)
-    torch.testing.assert_close(got, reference.paged_block_scores(q, kc, bt, lens, qsl, 5, D ** -0.5), atol=TOL[dtype], rtol=1e-4)
+    torch.testing.assert_close(got, reference.paged_block_scores(q, kc, bt, lens, qsl, 5, D ** -0.5), atol=TOL[dtype],
+                               rtol=1e-4)
     _check_rows(got, q_lens, seq_lens, Hkv, Hq // Hkv, ps, 5)
 
 
@@ -112,7 +114,8 @@ def test_emulated_strided_queries_and_long_rows():
     assert not q_nc.is_contiguous()
     for chunk in (100, 4096):
         got = _emu_call(emu, q_nc, kc, bt, lens, qsl, 9, 0.125, chunk)
-        torch.testing.assert_close(got, reference.paged_block_scores(q, kc, bt, lens, qsl, 9, 0.125), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got, reference.paged_block_scores(q, kc, bt, lens, qsl, 9, 0.125), atol=2e-5,
+                                   rtol=1e-4)
 
 
 def test_emulated_equals_cpu_kernel():
@@ -128,8 +131,9 @@ def test_emulated_empty_and_degenerate():
     # no requests; no page columns
     e = _emu_call(emu, q, kc, bt[:0], lens[:0], qsl[:1], 3, 0.125)
     assert e.shape == (0, 2, bt.shape[1])
-    z = torch.ops.vegas.paged_block_scores(q[:0], kc, torch.zeros(2, 0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                                           torch.zeros(3, dtype=torch.int32), 3, 0.125)
+    z = torch.ops.vegas.paged_block_scores(q[:0], kc, torch.zeros(2, 0, dtype=torch.int32),
+                                           torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 3,
+                                           0.125)
     ze = _emu_call(emu, q[:0], kc, torch.zeros(2, 0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
                    torch.zeros(3, dtype=torch.int32), 3, 0.125)
     assert ze.shape == z.shape == (2, 2, 0)
@@ -166,7 +170,8 @@ def test_emulated_device_guards():
     bt2[0, 3:] = 10 ** 6
     bt2[1, :] = -1
     torch.testing.assert_close(_emu_call(emu, q2, kc2, bt2, lens2, qsl2, 2, 0.125),
-                               reference.paged_block_scores(q2, kc2, bt2.clamp(0, kc2.shape[0] - 1), lens2, qsl2, 2, 0.125),
+                               reference.paged_block_scores(q2, kc2, bt2.clamp(0, kc2.shape[0] - 1), lens2, qsl2, 2,
+                                                            0.125),
                                atol=2e-5, rtol=1e-4)
 
 
@@ -212,10 +217,12 @@ def test_emulated_shape_checks():
     big = torch.zeros(1, 1, 300)
     with pytest.raises(ERR, match="head_dim must be <= 256"):
         emu.paged_block_scores(big, torch.zeros(1, 1, 4, 300), torch.zeros(1, 1, dtype=torch.int32),
-                               torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, 512, 4, 0)
+                               torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.1, 512,
+                               4, 0)
 
 
-@pytest.mark.parametrize("R,Hkv,P,ps", [(1, 1, 1, 16), (1, 8, 8192, 16), (256, 8, 8192, 16), (3, 2, 50, 7), (2, 2, 3, 100000)])
+@pytest.mark.parametrize("R,Hkv,P,ps", [(1, 1, 1, 16), (1, 8, 8192, 16), (256, 8, 8192, 16), (3, 2, 50, 7),
+                                        (2, 2, 3, 100000)])
 def test_plan_covers_every_page(R, Hkv, P, ps):
     emu = load_emulator()
     T, Hq, nq = 40, 4 * Hkv, 5
@@ -286,7 +293,8 @@ def test_gpu_wrapper_opcheck_and_value_checks(monkeypatch):
 @gpu
 def test_gpu_graph_capture_and_no_host_sync():
     op = _cuda_op_or_skip()
-    q, kc, bt, lens, qsl = (t.cuda() for t in _paged_case([5, 1, 3], [300, 40, 129], 8, 2, 128, 16, torch.bfloat16, seed=7))
+    case = _paged_case([5, 1, 3], [300, 40, 129], 8, 2, 128, 16, torch.bfloat16, seed=7)
+    q, kc, bt, lens, qsl = (t.cuda() for t in case)
     want = reference.paged_block_scores(q, kc, bt, lens, qsl, 5, 0.1)
     op(q, kc, bt, lens, qsl, 5, 0.1)  # warm up
     torch.cuda.synchronize()
@@ -310,4 +318,5 @@ def test_gpu_graph_capture_and_no_host_sync():
     lens.copy_(lens2)
     g.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(static, reference.paged_block_scores(q, kc, bt, lens2, qsl, 5, 0.1), atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(static, reference.paged_block_scores(q, kc, bt, lens2, qsl, 5, 0.1), atol=5e-5,
+                               rtol=1e-4)

@@ -54,3 +54,108 @@ def test_prefill_cache_after_in_place_weight_change_or_dtype_change_is_not_reuse
     o = vegas_ext.generate(m, ids, **KW, prefill_cache=pc)
     assert not o.stats["prefill_reused"] and o.stats["dtype"] == "bfloat16"
     assert pc["k"][0].dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- case 008: the model's function
+CASE_KW = dict(max_new_tokens=8, num_speculative_tokens=3, eos_token_id=[], pad_token_id=0)
+
+
+def _case_model_and_prompts():
+    from decode_utils import make_prompts
+    m = make_model("llama")
+    ids, mask = make_prompts(256, [60, 45])
+    return m, ids, mask
+
+
+def _steer_hook(steer):
+    return lambda mod, i, o: (o[0] + steer,) + tuple(o[1:]) if isinstance(o, tuple) else o + steer
+
+
+def _add_hook(m, kind, steer):
+    layer = m.model.layers[0]
+    if kind == "forward":
+        return layer.register_forward_hook(_steer_hook(steer))
+    if kind == "forward_with_kwargs":
+        return layer.register_forward_hook(lambda mod, a, kw, o: _steer_hook(steer)(mod, a, o), with_kwargs=True)
+    if kind == "pre":
+        return m.model.layers[1].register_forward_pre_hook(lambda mod, a: (a[0] + steer,) + tuple(a[1:]))
+    if kind == "global":
+        from torch.nn.modules.module import register_module_forward_hook
+
+        def hook(mod, i, o):  # steers the first decoder layer only
+            return _steer_hook(steer)(mod, i, o) if mod is layer else None
+        return register_module_forward_hook(hook)
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_with_kwargs", "pre", "global"])
+def test_prefill_cache_is_not_reused_after_a_forward_hook_was_added(kind):
+    m, ids, mask = _case_model_and_prompts()
+    pc = {}
+    o0 = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not o0.stats["prefill_reused"] and o0.stats["prefill_miss"] == "empty"
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    handle = _add_hook(m, kind, steer)
+    try:
+        out = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+        assert not out.stats["prefill_reused"]
+        assert out.stats["prefill_miss"].startswith("not fingerprintable: a ")
+        assert ("global" in out.stats["prefill_miss"]) == (kind == "global")
+        ref = hf_greedy(m, ids, mask, 8, eos_token_id=[])
+        assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+        assert not torch.equal(ref, o0.sequences)  # the hook does change the tokens
+        assert not prefill_cache_is_for(pc, m)
+    finally:
+        handle.remove()
+    # the hook gone, the model computes what filled the dict (nothing was stored meanwhile)
+    back = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert back.stats["prefill_reused"] and back.stats["prefill_miss"] is None
+    assert torch.equal(back.sequences, o0.sequences)
+
+
+def _set_eps(m):
+    for layer in m.model.layers:
+        layer.input_layernorm.variance_epsilon = 0.5
+
+
+def _replace_forward(m):
+    m.model.layers[0].mlp.forward = lambda x: torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("change, why", [
+    (_set_eps, "model changed: modules"),
+    (lambda m: setattr(m.model.layers[0].self_attn, "scaling", 30.0), "model changed: modules"),
+    (lambda m: setattr(m.config, "rms_norm_eps", 0.25), "model changed: config"),
+    (_replace_forward, "not fingerprintable: model.model.layers.0.mlp.forward is a function"),
+])
+def test_prefill_cache_is_not_reused_after_a_module_attribute_or_config_changed(change, why):
+    m, ids, mask = _case_model_and_prompts()
+    pc = {}
+    o0 = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    change(m)
+    out = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not out.stats["prefill_reused"] and out.stats["prefill_miss"] == why
+    ref = hf_greedy(m, ids, mask, 8, eos_token_id=[])
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    if "config" not in why:  # the config value is read at construction only: same tokens
+        assert not torch.equal(ref, o0.sequences)
+
+
+def test_prefill_cache_unchanged_model_is_reused_plain_and_packed():
+    m, ids, mask = _case_model_and_prompts()
+    ref = hf_greedy(m, ids, mask, 8, eos_token_id=[])
+    pc = {}
+    first = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    again = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not first.stats["prefill_reused"] and again.stats["prefill_reused"] and again.stats["prefill_miss"] is None
+    assert torch.equal(first.sequences, ref) and torch.equal(again.sequences, ref)
+    other = vegas_ext.generate(m, ids.flip(0), mask.flip(0), prefill_cache=pc, **CASE_KW)
+    assert not other.stats["prefill_reused"] and other.stats["prefill_miss"] == "other prompt"
+    assert vegas_ext.generate(m, ids, mask, **CASE_KW).stats["prefill_miss"] is None  # no dict, no miss
+    from vegas_ext.packed_linear import can_pack, pack_linear_weights
+    if can_pack(m.lm_head):  # oneDNN builds: packed linears keep their identity between calls
+        pack_linear_weights(m, min_rows=1)
+        pc = {}
+        vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+        packed = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+        assert packed.stats["prefill_reused"] and torch.equal(packed.sequences, ref)

@@ -16,7 +16,8 @@ def _fresh_meta(B, Hkv, S, D, bs, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(2, 3, 100, 64, 16), (3, 1, 37, 80, 7), (1, 2, 5, 128, 1), (2, 8, 300, 64, 64)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 100, 64, 16), (3, 1, 37, 80, 7), (1, 2, 5, 128, 1), (2, 8, 300, 64, 64)],
+                         ids=str)
 def test_minmax_matches_reference(shape, dtype):
     B, Hkv, S, D, bs = shape
     k = torch.randn(B, Hkv, S, D).to(dtype)
@@ -88,11 +89,13 @@ def test_quest_opcheck():
     q = torch.randn(2, 1, 6, 64)
     kmin = torch.randn(2, 3, 10, 64)
     kmax = kmin + torch.rand(2, 3, 10, 64)
-    torch.library.opcheck(torch.ops.vegas.quest_block_scores.default, (q, kmin, kmax, torch.tensor([10, 4], dtype=torch.int32)))
+    torch.library.opcheck(torch.ops.vegas.quest_block_scores.default,
+                          (q, kmin, kmax, torch.tensor([10, 4], dtype=torch.int32)))
     k = torch.randn(2, 3, 40, 64)
     torch.library.opcheck(
         torch.ops.vegas.block_minmax_update.default,
-        (torch.zeros(2, 3, 3, 64), torch.zeros(2, 3, 3, 64), k, torch.tensor([40, 17], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 16),
+        (torch.zeros(2, 3, 3, 64), torch.zeros(2, 3, 3, 64), k, torch.tensor([40, 17], dtype=torch.int32),
+         torch.tensor([0, 5], dtype=torch.int32), 16),
     )
 
 
@@ -104,9 +107,14 @@ def test_quest_bad_inputs_named():
     with pytest.raises(ERR, match="num_blocks"):
         torch.ops.vegas.quest_block_scores(q, kmin, kmin, torch.tensor([1, 1]))
     with pytest.raises(ERR, match="multiple"):
-        torch.ops.vegas.quest_block_scores(torch.randn(2, 1, 7, 64), kmin, kmin, torch.tensor([1, 1], dtype=torch.int32))
+        torch.ops.vegas.quest_block_scores(torch.randn(2, 1, 7, 64), kmin, kmin,
+                                           torch.tensor([1, 1], dtype=torch.int32))
     k = torch.randn(2, 3, 40, 64)
     with pytest.raises(ERR, match="seq_lens"):
-        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 3, 64), torch.zeros(2, 3, 3, 64), k, torch.tensor([41, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 16)
+        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 3, 64), torch.zeros(2, 3, 3, 64), k,
+                                            torch.tensor([41, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                                            16)
     with pytest.raises(ERR, match="N = ceil"):
-        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 4, 64), torch.zeros(2, 3, 4, 64), k, torch.tensor([4, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 16)
+        torch.ops.vegas.block_minmax_update(torch.zeros(2, 3, 4, 64), torch.zeros(2, 3, 4, 64), k,
+                                            torch.tensor([4, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                                            16)

@@ -5,18 +5,13 @@ small budget (32 tokens = 2 blocks), so drafts are approximate and rejections (r
 Checks: greedy output equals HF ``generate`` (batch 1 and a ragged batch); the selected blocks
 respect the budget, the sinks and the tail; Quest's min/max metadata equals a recomputation from
 the cache at every draft step (after appends and rollbacks); prefill reuse; the selection time
-accounting; the benchmark harness end to end on a tiny model folder.
+accounting (the benchmark harness is tested in test_bench_tools.py).
 """
 from __future__ import annotations
-
-import json
-import os
-import sys
 
 import pytest
 import torch
 
-from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 from vegas_ext import reference
 from vegas_ext.decode import (
     SELECTION_ALGORITHMS,
@@ -26,6 +21,8 @@ from vegas_ext.decode import (
     register_selection_algorithm,
 )
 from vegas_ext.selection import QuestSelection, StreamingLLMSelection, streaming_indices
+
+from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -260,7 +257,8 @@ def test_quest_metadata_after_generate_matches_cache():
 
 def test_quest_selection_time_is_accounted():
     model, ids, mask, ref = _case("llama", 1)
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm="quest", **SMALL)
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm="quest",
+                   **SMALL)
     s = out.stats
     assert s["time_select_inline_s"] > 0
     assert s["time_select_s"] >= s["time_select_inline_s"] - 1e-9
@@ -292,131 +290,3 @@ def test_refresh_interval_validation():
     model, ids, mask, _ = _case("llama", 1)
     with pytest.raises(ValueError, match="selection_refresh_interval"):
         generate(model, ids, mask, max_new_tokens=2, selection_refresh_interval=0)
-
-
-# ------------------------------------------------------------------ the benchmark harness
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-RUN_FIELDS = [
-    "algorithm", "variant", "query_weights", "share_selection_across_heads", "selection_refresh_interval",
-    "context", "batch_size", "num_speculative_tokens", "sparse_attn_ratio", "block_size", "dtype", "device",
-    "torch", "transformers", "git_commit", "mean_acceptance_length", "draft_acceptance_rate",
-    "num_accepted_tokens_per_pos", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_full", "speedup_vs_hf",
-    "time_draft_s", "time_verify_s", "time_select_s", "identical_to_plain", "cost_model_speedup_bound",
-    "select_overhead_share",
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_doc_model_dir(tmp_path_factory):
-    """A tiny Llama (2 layers, 512 positions) + a 600-word word-level tokenizer trained on the documents."""
-    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from vegas_ext import documents
-
-    folder = str(tmp_path_factory.mktemp("tiny-doc-llama"))
-    tk = Tokenizer(tmodels.WordLevel(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    texts = [documents.load_document(d)[:200_000] for d in ("pride_and_prejudice", "kjv")]
-    tk.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>")
-    tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
-
-
-def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import e2e
-
-    out = tmp_path / "res"
-    argv = ["--model", tiny_doc_model_dir, "--docs", "pride_and_prejudice", "--context-lengths", "200,300",
-            "--batch-sizes", "1,2", "--algorithms", "hf,full,vegas,streamingllm,quest,vegas/first_last/shared/refresh=2/bs=1",
-            "--num-speculative-tokens", "3", "--ratios", "0.05,0.1", "--min-tokens", "16", "--max-new-tokens", "6",
-            "--repeats", "1", "--out", str(out), "--threads", "1"]
-    assert e2e.main(argv) == 0
-    recs = [json.loads(line) for line in open(out / "runs.jsonl")]
-    labels = {r["label"] for r in recs}
-    assert {"hf", "full"} <= labels
-    assert {r["algorithm"] for r in recs} == {"hf", "full", "vegas", "streamingllm", "quest"}
-    assert any(r["variant"] == "first_last/shared/refresh=2/bs=1" and r["block_size"] == 1
-               and r["query_weights"] == "first_last" and r["share_selection_across_heads"]
-               and r["selection_refresh_interval"] == 2 for r in recs)
-    assert len(recs) == 2 * 2 * (2 + 4 * 2)  # contexts x batches x configurations
-    for r in recs:
-        for f in RUN_FIELDS:
-            assert f in r, f
-        assert r["identical_to_plain"] is True, r["label"]
-        if r["algorithm"] not in ("hf", "full"):
-            assert r["mean_acceptance_length"] >= 1.0 and len(r["num_accepted_tokens_per_pos"]) == 3
-            assert r["cost_model_speedup_bound"] is not None and r["select_overhead_share"] is not None
-            assert r["speedup_vs_full"] is not None and r["speedup_vs_hf"] is not None
-    assert any(r["algorithm"] == "quest" and r["time_select_inline_s"] > 0 for r in recs)
-    md = (out / "summary.md").read_text()
-    assert "python bench/e2e.py --model" in md and "bound" in md
-    for png in ("mal_vs_ratio.png", "tokens_per_s_vs_context.png", "per_position_acceptance.png", "selection_overhead.png"):
-        assert (out / png).stat().st_size > 1000, png
-
-    # the pooled report over the run (as for a grid split over processes): pooled MAL equals a
-    # recomputation from the raw counts, and every cell of the grid gets a row
-    import report
-
-    rep = tmp_path / "rep"
-    assert report.main([str(out / "runs.jsonl"), "--out", str(rep), "--no-plots"]) == 0
-    text = (rep / "summary.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| 200 |") or line.startswith("| 300 |")]
-    cell_rows = [line for line in rows if line.count("|") > 12]
-    assert len(cell_rows) == 2 * 2 * 2  # contexts x batches x ratios (gamma 3 only)
-    sel = [r for r in recs if r["algorithm"] == "vegas" and not r["variant"] and r["context_requested"] == 200
-           and r["batch_size"] == 2 and r["sparse_attn_ratio"] == 0.1]
-    want = 1 + sum(r["num_accepted_tokens"] for r in sel) / sum(r["num_drafts"] for r in sel)
-    assert abs(report.pooled_mal(sel) - want) < 1e-12
-    row = next(line for line in cell_rows if line.startswith("| 200 | 2 | 3 | 0.1 |"))
-    assert f"{want:.2f}" == row.split("|")[5].strip()
-    assert "identical to our plain decoding in" in text and "## Every run" in text
-
-
-def test_e2e_harness_prompt_files(tiny_doc_model_dir, tmp_path):
-    """--docs takes paths of text files too (prompt files); a missing file is a clear CLI error."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import e2e
-    from transformers import AutoTokenizer
-
-    from vegas_ext import documents
-
-    f = tmp_path / "notes.txt"
-    f.write_text(documents.load_document("kjv")[:20000], encoding="utf-8")
-    text, instr = e2e.document_text(str(f))
-    assert text.startswith(documents.load_document("kjv")[:100]) and instr == e2e.FILE_INSTRUCTION
-    tok = AutoTokenizer.from_pretrained(tiny_doc_model_dir)
-    ids, mask = e2e.build_batch(tok, str(f), 150, 2, chat=False)
-    assert ids.shape == (2, 150) and bool(mask.all())
-    assert ids[0].tolist() != ids[1].tolist()  # rows start at different places of the file
-    with pytest.raises(SystemExit):
-        e2e.parse_args(["--docs", str(tmp_path / "missing.txt")])
-    with pytest.raises(ValueError, match="neither one of"):
-        e2e.document_text(str(tmp_path / "missing.txt"))
-
-
-def test_decode_step_costs_random_model_smoke(tmp_path):
-    """bench/decode_step_costs.py (the GPU check's end-to-end step) runs on a random-weight model
-    and writes the iteration costs and the cost-model prediction."""
-    import subprocess
-
-    out = tmp_path / "costs.jsonl"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_step_costs.py"), "--model-config", "tiny",
-                    "--contexts", "300", "--batches", "2", "--gamma", "3", "--tau", "2.5", "--reps", "1",
-                    "--min-tokens", "16", "--threads", "1", "--out", str(out)], check=True, capture_output=True)
-    rec = json.loads(out.read_text().splitlines()[0])
-    assert rec["model"] == "tiny" and rec["context"] == 300 and rec["batch"] == 2 and rec["block_size"] == 1
-    for k in ("full_step_ms", "draft_step_ms", "verify_ms", "select_ms", "hf_step_ms"):
-        assert rec[k] > 0, k
-    it = 3 * rec["draft_step_ms"] + rec["verify_ms"] + rec["select_ms"]
-    assert abs(rec["vegas_iteration_ms"] - it) < 0.05
-    assert abs(rec["pred_speedup_vs_full"] - 2.5 * rec["full_step_ms"] / it) < 0.02

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from op_utils import ATTN_SHAPES, make_inputs, max_err, out_error_bound, random_selection
 from vegas_ext import reference
+
+from op_utils import ATTN_SHAPES, make_inputs, max_err, out_error_bound, random_selection
 
 # the shared odd shapes, plus the SmolLM2 head layout at Q = 1 (a plain draft step)
 SHAPES = ATTN_SHAPES + [(2, 1, 9, 3, 64, 300, 16)]
@@ -57,7 +58,8 @@ def test_no_blocks_attends_to_tail_only():
     for b in range(B):
         t0, L = int(tail[b]), int(lens[b])
         sub_lens = torch.tensor([L - t0], dtype=torch.int32)
-        o, _, _ = reference.verify_attention(q[b : b + 1], k[b : b + 1, :, t0:L], v[b : b + 1, :, t0:L], sub_lens, 1, D ** -0.5)
+        o, _, _ = reference.verify_attention(q[b : b + 1], k[b : b + 1, :, t0:L], v[b : b + 1, :, t0:L], sub_lens, 1,
+                                             D ** -0.5)
         assert max_err(out[b : b + 1], o) < 1e-5
 
 

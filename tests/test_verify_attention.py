@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, run_with_isa, shape_id, verify_case
 from vegas_ext import ops, reference
+
+from op_utils import ATTN_SHAPES, assert_verify_matches, make_inputs, max_err, run_with_isa, shape_id, verify_case
 
 SHAPES = ATTN_SHAPES
 DTYPES = [torch.float32, torch.bfloat16]
@@ -186,8 +187,7 @@ def test_finish_in_task_and_second_pass_agree_with_reference(threads):
         torch.set_num_threads(n)
 
 INF_V_SCRIPT = r"""
-import sys, torch
-sys.path.insert(0, {tests!r})
+import torch
 from op_utils import make_inputs
 from vegas_ext import reference
 q, k, v, lens = make_inputs(1, 7, 3, 1, 64, 70, torch.float32, seed=2)
@@ -213,8 +213,7 @@ def test_avx2_transposed_pv_matches_reference_on_a_nonfinite_value():
 
 
 ISA_SCRIPT = r"""
-import math, sys, torch
-sys.path.insert(0, {tests!r})
+import math, torch
 from op_utils import assert_verify_matches, make_inputs, max_err, random_selection, verify_case
 from vegas_ext import reference
 shapes = {shapes!r}

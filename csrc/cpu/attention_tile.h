@@ -94,7 +94,7 @@ inline int row_block(int rem) { return kAvx2Blocks && rem == 4 ? 2 : std::min(kQ
 // being computed (its K and V, 16 KB each at D 64, the scores and the packed queries) already
 // fills most of a 48 KB L1, and prefetching the next one on top of it evicted lines before their
 // use. Measured (with the next tile's K and V as the targets) against prefetcht0 on one AVX-512
-// core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K (bench/results/kernels_cpu_prefetch_grid.md):
+// core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K (bench/results/kernels_xeon_avx512/ab_l2_prefetch_grid.md):
 // verify_attention 1.01-1.09x faster at Q = 7, 1.05-1.28x at Q = 1; in a torch-free
 // microbenchmark of this loop, prefetchnta or no prefetch were slower than either. Only the
 // AVX-512 build was measured; the AVX2 and baseline builds use the same hint.
@@ -122,7 +122,7 @@ inline int row_pad(int R) { return (R + VW - 1) / VW * VW; }
 // decoding), and 2 groups (R = 9-16, even D: the same 16 lanes as rows in lanes, but one K
 // broadcast per 2 FMAs instead of one per FMA, so the block is no longer bound by its loads).
 // Measured on one Intel Xeon core (AVX-512), verify_attention at 2K-8K against rows in lanes
-// (bench/results/kernels_cpu_xeon_avx512/ab_pair_qk.md, medians of 6 rounds): R = 21, D 64 1.15x
+// (bench/results/kernels_xeon_avx512/ab_pair_qk.md, medians of 6 rounds): R = 21, D 64 1.15x
 // faster, R = 20, D 128 1.17x, R = 4 and 8 at D 128 1.07-1.11x; 2 groups, in the torch-free loop
 // (bench/cpu_attend_microbench.cpp, 2 runs): R = 15, D 64 1.06-1.10x, R = 9, D 64 1.06-1.07x,
 // R = 12 and 16 at D 128 1.04-1.08x. An earlier version also took 5 groups (R = 36, blocked
@@ -525,7 +525,7 @@ static inline vf hsum_many(const vf* a) {
 // softmax then runs per row over the tile (row-major P, s[r * kTile + t]), and P V reads P
 // row-major. Per 16 tokens and row: D / 16 + ~3 vector ops per token instead of D.
 // Taken for R <= 8 rows with R * D <= 384. Measured on one AMD EPYC (Zen 5) core against the
-// rows-in-lanes loop, 8K-32K tokens from DRAM (bench/results/kernels_cpu_amd_grid.md and a
+// rows-in-lanes loop, 8K-32K tokens from DRAM (bench/results/kernels_zen5/kernels_grid.md and a
 // first grid before the D limit): R = 3, D 64 1.13-1.85x faster (median ~1.2); R = 6, D 64
 // 0.77-1.34x (median ~1.05); R = 4, D 128 0.84-1.05x (median ~0.95: memory-bound either way,
 // though 1.4x faster from L2) and R = 8, D 128 0.84-0.88x, so these keep the rows-in-lanes loop.

@@ -44,7 +44,7 @@ inline uint32_t score_key(float x) {
 // (AVX-512), all 30 layers of SmolLM2 at 8K, batch 4, 1-token blocks (360 rows of 8,192 scores, 410
 // taken, 2 threads): 3.6 ms against 11.0 for the scalar passes; one thread, in a decode iteration
 // at γ 6: 3.6-3.8 ms (0.42-0.44 % of it) against 10.2 (1.2 %)
-// (bench/results/kernels_cpu_xeon_avx512/block_topk_s16.md).
+// (bench/results/kernels_xeon_avx512/block_topk.md).
 #define VEGAS_TOPK_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,popcnt")))
 
 // keys[0:j] = score_key(s[0:j]) for the whole 16-key groups of n; returns j (select_top does the rest)

@@ -26,7 +26,7 @@ import copy
 import ctypes
 import sys
 import weakref
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -253,7 +253,8 @@ class VegasCache(Cache):
         drop finished rows, so that later forwards cost only the rows still decoding."""
         rows = rows.to(device=self.device, dtype=torch.long)
         if rows.dim() != 1 or rows.numel() < 1:
-            raise ValueError(f"VegasCache.keep_rows: rows must be a non-empty 1-D index tensor, got shape {tuple(rows.shape)}")
+            raise ValueError("VegasCache.keep_rows: rows must be a non-empty 1-D index tensor, "
+                             f"got shape {tuple(rows.shape)}")
         for layer in self.layers:
             layer.keys = layer.keys.index_select(0, rows)
             layer.values = layer.values.index_select(0, rows)

@@ -1,6 +1,6 @@
 """Self-speculative decoding with verification-guided sparse attention (Vegas, arXiv 2602.07223).
 
-One iteration (see ``shared/VEGAS.md``), each a short function over one :class:`DecodeState`:
+One iteration (the method: ``docs/method.md``), each a short function over one :class:`DecodeState`:
 
 1. :func:`select` -- the next draft's KV blocks (:mod:`vegas_ext.selection`; for ``"vegas"`` the
    top-k blocks by the last verification's scores, sinks first), only when the iteration drafts;
@@ -196,12 +196,21 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
 
 
 def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
-    """Copy the prefill K/V of ``ids`` ``[B, t]`` from ``pc`` if it holds them; returns whether it did."""
+    """Copy the prefill K/V of ``ids`` ``[B, t]`` from ``pc`` if it holds them for the model as it
+    is now; returns whether it did. Otherwise ``state.prefill_miss`` says why (``stats``)."""
     cache, st = state.cache, state.attn
     B, t = ids.shape
-    if not (pc is not None and pc.get("ids") is not None and pc["ids"].shape[0] == B
-            and pc["ids"].shape[1] >= t and torch.equal(pc["ids"][:, :t], ids)
-            and prefill_cache_is_for(pc, state.model)):
+    if pc is None:
+        return False
+    if pc.get("ids") is None:
+        state.prefill_miss = "empty"
+        return False
+    if not (pc["ids"].shape[0] == B and pc["ids"].shape[1] >= t and torch.equal(pc["ids"][:, :t], ids)):
+        state.prefill_miss = "other prompt"
+        return False
+    why = _prefill_cache_mismatch(pc, state.model)
+    if why is not None:
+        state.prefill_miss = why
         return False
     for li, cl in enumerate(cache.layers):  # copy, and tell the write hook as a forward would
         cl.keys[:, :, :t].copy_(pc["k"][li][:, :, :t])
@@ -211,26 +220,128 @@ def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
     return True
 
 
-def _model_fingerprint(model) -> tuple:
-    """What identifies a model's weights now: every parameter's and buffer's storage address,
-    in-place version counter, dtype and device (a reload, ``.to()`` or in-place update changes it)."""
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device)
-                 for t in itertools.chain(model.parameters(), model.buffers()))
+class _NotFingerprintable(Exception):
+    """Part of a model's function that :func:`_model_fingerprint` cannot capture reliably."""
+
+
+#: ``vars(module)`` entries that are torch's own bookkeeping (tensors and hooks are taken apart)
+_MODULE_INTERNALS = frozenset((
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_is_full_backward_hook",
+    "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+))
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _plain(v, where: str, depth: int = 0):
+    """A hashable snapshot of ``v`` if it is plain data (scalars, dtypes, tensors by storage and
+    version, and tuples / lists / sets / dicts of them); raises :class:`_NotFingerprintable`."""
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, Tensor):
+        try:
+            return ("tensor", v.data_ptr(), v._version, v.dtype, v.device, tuple(v.shape))
+        except RuntimeError:  # no storage (an opaque oneDNN / packed weight): the object itself
+            return ("opaque tensor", id(v), v.layout, v.dtype, v.device, tuple(v.shape))
+    if depth < 4:
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__,) + tuple(_plain(x, where, depth + 1) for x in v)
+        if isinstance(v, (set, frozenset)):
+            return ("set",) + tuple(sorted((_plain(x, where, depth + 1) for x in v), key=repr))
+        if isinstance(v, dict):
+            return ("dict",) + tuple(sorted(((repr(k), _plain(x, where, depth + 1)) for k, x in v.items()), key=repr))
+    raise _NotFingerprintable(f"{where} is a {type(v).__name__}")
+
+
+def _config_snapshot(config, where: str):
+    try:
+        d = config.to_dict()
+    except Exception as e:  # noqa: BLE001 - any failure means: cannot tell whether it changed
+        raise _NotFingerprintable(f"{where}.to_dict() failed ({type(e).__name__})") from e
+    return _plain(d, where)
+
+
+def _model_fingerprint(model) -> dict:
+    """What determines the prefill K/V ``model`` computes, in parts (cheap: no tensor data read):
+
+    * ``"weights"``: every parameter's and buffer's storage address, in-place version counter,
+      dtype, device and shape (a reload, ``.to()`` or in-place update changes it);
+    * ``"modules"``: each module's path, class and plain attributes (``variance_epsilon``,
+      ``scaling``, ``training``, ..., tensors by storage and version);
+    * ``"config"``: ``config.to_dict()`` of every config object the modules hold;
+    * ``"torch"``: the float32 matmul precision and autocast state of the model's device.
+
+    Raises :class:`_NotFingerprintable` naming what it cannot capture: a forward hook or pre-hook
+    (module or global: a hook can read any state, e.g. a global steering vector), or a module
+    attribute that is not plain data (an assigned ``forward``, a callable, an object)."""
+    g = torch.nn.modules.module
+    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks"):
+        if getattr(g, kind, None):
+            raise _NotFingerprintable(f"a global forward hook (torch.nn.modules.module.{kind})")
+    weights, modules, configs = [], [], {}
+    for name, mod in model.named_modules():  # one walk (parameters() and buffers() walk again)
+        where = f"model.{name}" if name else "model"
+        if mod._forward_hooks or mod._forward_pre_hooks:
+            raise _NotFingerprintable(f"a forward hook on {where}")
+        for t in itertools.chain(mod._parameters.values(), mod._buffers.values()):
+            if t is not None:
+                weights.append((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)))
+        attrs = []
+        for k, v in vars(mod).items():
+            if k in _MODULE_INTERNALS or k.startswith("_vegas"):  # ours: patched() scope bookkeeping
+                continue
+            if k == "generation_config" or k == "config":  # decoding options / snapshot below
+                if k == "config" and id(v) not in configs:
+                    configs[id(v)] = _config_snapshot(v, f"{where}.config")
+                continue
+            attrs.append((k, _plain(v, f"{where}.{k}")))
+        modules.append((name, type(mod), tuple(attrs)))
+    dev = weights[0][3].type if weights else "cpu"
+    try:
+        amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+    except (RuntimeError, TypeError, AttributeError):
+        amp = None
+    return {"weights": tuple(weights), "modules": tuple(modules), "config": tuple(sorted(configs.values(), key=repr)),
+            "torch": (torch.get_float32_matmul_precision(), amp)}
+
+
+def _prefill_cache_mismatch(pc: dict, model) -> Optional[str]:
+    """None if ``pc``'s K/V were computed by ``model`` as it is now, else why not: ``"other model"``,
+    ``"model changed: <parts>"`` (:func:`_model_fingerprint`'s parts that differ) or
+    ``"not fingerprintable: <what>"``."""
+    ref = pc.get("model")
+    if ref is None or ref() is not model:
+        return "other model"
+    try:
+        now = _model_fingerprint(model)
+    except _NotFingerprintable as e:
+        return f"not fingerprintable: {e}"
+    old = pc.get("fingerprint") or {}
+    changed = [k for k in now if old.get(k) != now[k]]
+    return f"model changed: {', '.join(changed)}" if changed else None
 
 
 def prefill_cache_is_for(pc: dict, model) -> bool:
     """Whether ``pc`` (a ``generate(prefill_cache=...)`` dict) was filled by ``model`` as it is
-    now: the same object (weak reference) with the same weights (:func:`_model_fingerprint`),
-    hence the same dtype and device."""
-    ref = pc.get("model")
-    return ref is not None and ref() is model and pc.get("fingerprint") == _model_fingerprint(model)
+    now: the same object (weak reference) computing the same function: same weights, dtype and
+    device, module attributes, config and matmul precision (:func:`_model_fingerprint`). A model
+    with forward hooks (or anything else the fingerprint cannot capture) never matches."""
+    return _prefill_cache_mismatch(pc, model) is None
 
 
 def _store_prefill(state: DecodeState, pc: dict, ids: Tensor) -> None:
-    """Keep the prefill K/V of ``ids`` ``[B, t]`` in ``pc`` for later calls of the same model."""
+    """Keep the prefill K/V of ``ids`` ``[B, t]`` in ``pc`` for later calls of the same model;
+    nothing is stored when the model cannot be fingerprinted (``state.prefill_miss`` says why)."""
+    try:
+        fp = _model_fingerprint(state.model)
+    except _NotFingerprintable as e:
+        state.prefill_miss = f"not fingerprintable: {e}"
+        return
     t = ids.shape[1]
     pc["model"] = weakref.ref(state.model)
-    pc["fingerprint"] = _model_fingerprint(state.model)
+    pc["fingerprint"] = fp
     pc["ids"] = ids.clone()
     pc["k"] = [cl.keys[:, :, :t].clone() for cl in state.cache.layers]
     pc["v"] = [cl.values[:, :, :t].clone() for cl in state.cache.layers]
@@ -650,10 +761,16 @@ def generate(
             instead of recomputing (``stats["prefill_reused"]``; their ``time_prefill_s`` is then
             the copy). Valid because a causal model's K/V at a position depend only on the tokens
             up to it; the stored K/V may differ from a recomputation by float rounding only. Only
-            the model that filled it, with the same weights, dtype and device, reuses it (a weak
-            reference plus every parameter's storage address and version); any other call
-            recomputes its prefill and refills the dict. Writes through ``param.data`` bypass
-            the version counter: clear the dict after editing weights that way.
+            the model that filled it, computing the same function, reuses it: a weak reference
+            plus every parameter's storage address and version, dtype and device, each module's
+            plain attributes (``variance_epsilon``, ``scaling``, ...), ``config.to_dict()`` and
+            the matmul precision. A model with a forward hook or pre-hook (or a global one), or
+            an attribute that is not plain data (an assigned ``forward``), never reuses nor
+            stores. ``stats["prefill_miss"]`` says why a call did not reuse (``"empty"``,
+            ``"other prompt"``, ``"other model"``, ``"model changed: modules"``, ``"not
+            fingerprintable: a forward hook on model.model.layers.0"``, ...). Writes through
+            ``param.data`` bypass the version counter: clear the dict after editing weights that
+            way. See ``docs/models.md``.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
@@ -688,7 +805,7 @@ def generate(
       10 % budget did not raise it; a draft step costs about the same for any of these budgets
       (weights dominate: 57-60 ms at 2K-8K, batch 1), so the paper's 5 % / 256 is kept.
     * ``block_size=None`` -> 1 for ``"vegas"`` (token granularity, the authors' choice): at 4K and
-      8K, batch 4, gamma 6, ratio 0.05, three documents (``bench/results/variants_cpu``, ~220
+      8K, batch 4, gamma 6, ratio 0.05, three documents (``bench/results/variants_xeon_avx512``, ~220
       drafts each) it drafted best -- mean acceptance length 5.28 vs 4.87 with 16-token blocks and
       4.49 with 64 (StreamingLLM 4.32, Quest 4.78), ahead on every document and context -- for a
       selection cost of ~1.5 % of an iteration (one ``block_topk`` over all layers) and, after
@@ -703,7 +820,7 @@ def generate(
       reads all the weights like a plain step; at 2K no gamma wins by more than ~6 %. ``"auto"``
       measures those costs as it decodes and picks the gamma (0 = a plain step) with the most
       expected tokens per second before every iteration; the measurements behind this default
-      are in ``bench/results/auto_gamma_cpu`` (``bench/gamma_report.py``). The paper's gamma 6
+      are in ``bench/results/gamma_xeon_avx512`` (``python -m bench.report gamma``). The paper's gamma 6
       remains available as ``num_speculative_tokens=6``.
     * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
       (``query_weights="all"``): within sampling error of the authors' shared / first-and-last
@@ -840,6 +957,7 @@ def generate(
     stats.num_generated_tokens = int(n_gen.sum())
     out = {**stats.as_dict(t_total, B), **config_used, **policy.stats()}
     out["prefill_reused"] = reused
+    out["prefill_miss"] = None if reused or prefill_cache is None else getattr(state, "prefill_miss", "no prefill")
     out["time_select_inline_s"] = inline_total
     out["time_select_prefill_s"] = float(sum(inline_pre.values()))
     sequences = torch.cat([input_ids, state.new_tokens[:, : int(n_gen.max())]], 1)

@@ -22,9 +22,11 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 #: Instruction appended to benchmark prompts, per document.
 INSTRUCTIONS: Dict[str, str] = {
-    "pride_and_prejudice": "Summarize the story above in a few sentences: who are the main characters, and what happens to them?",
+    "pride_and_prejudice": ("Summarize the story above in a few sentences: who are the main characters, "
+                            "and what happens to them?"),
     "kjv": "Summarize the passage above in a few sentences: who are the main figures, and what happens to them?",
-    "python_docs": "Summarize the documentation above in a few sentences: which parts of the Python language does it describe?",
+    "python_docs": ("Summarize the documentation above in a few sentences: which parts of the Python "
+                    "language does it describe?"),
 }
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AttentionState",
     "check_model_supported",
+    "SUPPORTED_ROPE_TYPES",
     "patch_model",
     "unpatch_model",
     "patched",
@@ -236,10 +237,90 @@ def _uses_sliding_window(config) -> Optional[int]:
     return int(window)
 
 
+#: RoPE types whose rotation depends on the position only: exact under any split into forwards
+EXACT_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+#: all RoPE types the decode loop accepts; see :func:`_check_rope` for the conditions on the last two
+SUPPORTED_ROPE_TYPES = EXACT_ROPE_TYPES + ("dynamic", "longrope")
+#: ``config.layer_types`` entries the attention handles (sliding ones only with a covering window)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _rope_parameter_sets(config) -> List[tuple]:
+    """``[(name, rope parameters dict)]`` of ``config``: one set, or one per layer type."""
+    rp = getattr(config, "rope_parameters", None)
+    if rp is None:
+        rp = getattr(config, "rope_scaling", None)  # older configs
+    if not rp:
+        return [("config.rope_parameters", {})]
+    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
+        return [(f"config.rope_parameters[{k!r}]", v) for k, v in rp.items()]
+    return [("config.rope_parameters", rp)]
+
+
+def _grown_dynamic_rope(model) -> Optional[int]:
+    """The position count a dynamic-NTK rotary module of ``model`` grew its frequencies to in an
+    earlier forward past ``max_position_embeddings`` (HF keeps them until a shorter forward), or None."""
+    for mod in model.modules():
+        grown = getattr(mod, "max_seq_len_cached", None)
+        orig = getattr(mod, "original_max_seq_len", None)
+        if grown is not None and orig is not None and int(grown) > int(orig):
+            return int(grown)
+    return None
+
+
+def _check_rope(model, config, need: int) -> None:
+    """Refuse RoPE settings whose result would depend on how the positions are split into forwards.
+
+    transformers computes the rotation once per forward: ``longrope`` takes its long factors for
+    *every* token of a forward whose largest position reaches ``original_max_position_embeddings``,
+    and ``dynamic`` rescales its base for forwards past ``max_position_embeddings``. Plain greedy
+    runs the prompt in one forward and then one token per forward; our prefill split and
+    ``gamma + 1``-token verification windows cross those thresholds elsewhere. So ``longrope`` is
+    accepted only when the context stays within ``original_max_position_embeddings`` (short factors
+    throughout), and ``dynamic`` -- whose threshold our decode never crosses, as no row goes past
+    ``max_position_embeddings`` -- only while no earlier forward grew its frequencies.
+    """
+    for where, rp in _rope_parameter_sets(config):
+        rtype = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
+        if rtype not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"vegas: unsupported RoPE type {where}['rope_type']={rtype!r}; supported RoPE types: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)} (longrope only within original_max_position_embeddings)"
+            )
+        if rtype == "longrope":
+            orig = rp.get("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None))
+            if orig is None or need > int(orig):
+                raise ValueError(
+                    f"vegas: {where}['rope_type']='longrope' is not supported for a context of {need} tokens "
+                    f"beyond original_max_position_embeddings={orig}: transformers switches every token of a forward "
+                    "to the long factors once that forward reaches it, so plain greedy's tokens depend on how the "
+                    "sequence is split into forwards, which speculative decoding changes. Keep prompt + new tokens "
+                    f"<= {orig}, or use one of: {', '.join(EXACT_ROPE_TYPES)}"
+                )
+        if rtype == "dynamic" and need >= int(getattr(config, "max_position_embeddings", need + 1)):
+            grown = _grown_dynamic_rope(model)
+            if grown is not None:
+                raise ValueError(
+                    f"vegas: {where}['rope_type']='dynamic' with frequencies grown to {grown} positions by an earlier "
+                    f"forward past max_position_embeddings={config.max_position_embeddings}: transformers keeps them "
+                    "until a shorter forward, so a context reaching max_position_embeddings would decode differently "
+                    "from plain greedy; run the model once on a short input (e.g. model(input_ids[:, :1])) to reset them"
+                )
+    layer_types = getattr(config, "layer_types", None) or ()
+    odd = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if odd:
+        raise ValueError(
+            f"vegas: unsupported config.layer_types entries {odd}; supported: {', '.join(SUPPORTED_LAYER_TYPES)}"
+        )
+
+
 def check_model_supported(model, context_len: Optional[int] = None) -> None:
     """Raise ``ValueError`` unless ``model`` is a supported decoder (Llama, Qwen2, Qwen3, Mistral
     ``*ForCausalLM``) whose sliding window, if any, covers ``context_len`` tokens (default: the
-    model's ``max_position_embeddings``)."""
+    model's ``max_position_embeddings``) and whose RoPE gives the same rotation however positions
+    are split into forwards (:data:`SUPPORTED_ROPE_TYPES`; ``longrope`` only while ``context_len``
+    stays within its ``original_max_position_embeddings``). See ``docs/models.md``."""
     config = getattr(model, "config", None)
     mtype = getattr(config, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:
@@ -258,6 +339,7 @@ def check_model_supported(model, context_len: Optional[int] = None) -> None:
                 f"the context needed ({need} tokens); set config.sliding_window=None (or >= {need}) only if the "
                 "model is valid with full attention"
             )
+    _check_rope(model, config, int(context_len if context_len is not None else config.max_position_embeddings))
 
 
 # Patching is per model but a decode call's scope is per call: two threads decoding with one

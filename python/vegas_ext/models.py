@@ -32,7 +32,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 
-#: Seconds the last :func:`load_model` call spent, and how (``"gguf-convert"``, ``"cache"``, ``"folder"``, ``"hub-cache"``).
+#: Seconds the last :func:`load_model` call spent, and how (``"gguf-convert"``, ``"cache"``,
+#: ``"folder"``, ``"hub-cache"``).
 last_load_info: dict = {}
 
 

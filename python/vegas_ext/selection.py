@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Type
 
 import torch
 from torch import Tensor
 
 from . import config, ops
 from .hf import AttentionState
+
+if TYPE_CHECKING:
+    from .cache import VegasCache
 
 __all__ = [
     "SelectionConfig",
@@ -182,7 +185,8 @@ class VegasSelection(SelectionStrategy):
     between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn")."""
 
     needs_verify_scores = True
-    default_block_size = config.DEFAULT_BLOCK_SIZE["vegas"]  # 1, token granularity: highest acceptance in bench/results/variants_cpu
+    # 1, token granularity: highest acceptance in bench/results/variants_xeon_avx512
+    default_block_size = config.DEFAULT_BLOCK_SIZE["vegas"]
 
     def select(self, ctx: SelectionContext) -> Tensor:
         cfg = self.cfg

@@ -5,7 +5,8 @@ vLLM's processes).
     python tests/vllm_plugin/run_llm.py CONFIG.json OUT.json
 
 CONFIG: ``{"llm": {LLM kwargs}, "prompts": [token id lists], "sampling": {SamplingParams kwargs},
-"n_seeds": optional int (one request per seed, same prompt; seeds from "seed_offset", default 0), "n_copies": optional int (unseeded copies), "expect_error": optional bool}``.
+"n_seeds": optional int (one request per seed, same prompt; seeds from "seed_offset", default 0),
+"n_copies": optional int (unseeded copies), "expect_error": optional bool}``.
 OUT: ``{"outputs": [[token ids]], "metrics": {name: value}, "seconds": {"init": s, "generate": s},
 "error": optional str}``.
 """

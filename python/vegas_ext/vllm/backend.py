@@ -3,8 +3,9 @@
 :class:`VegasCPUAttentionBackend` replaces ``AttentionBackendEnum.CPU_ATTN`` (registered by
 :func:`vegas_ext.vllm.register`). Its implementation runs the stock
 ``CPUAttentionBackendImpl.forward`` first -- the output of every forward, verification included, is
-vLLM's own -- and then, only on the target model's forwards while a Vegas proposer is active (see
-:data:`STATE`), computes for every request the attention mass its last γ + 1 queries put on each
+vLLM's own -- and then, only on the target model's forwards while a Vegas proposer is active (the
+:class:`VegasState` that proposer hands to each layer's implementation), computes for every
+request the attention mass its last γ + 1 queries put on each
 page of the paged cache (:func:`vegas_ext.ops.paged_block_scores` on the K half of the cache) and
 keeps it by layer name for the proposer that runs right after in the same step. Draft forwards and
 engines without a Vegas proposer skip that work.
@@ -12,24 +13,24 @@ engines without a Vegas proposer skip that work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
-
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from .. import ops
 
-__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "STATE", "VegasState", "key_cache_view", "record_scores"]
+__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "VegasState", "attach_state", "key_cache_view",
+           "record_scores"]
 
 
 @dataclass
 class VegasState:
-    """Per-process state shared by the proposer and the attention layers.
+    """State a Vegas proposer owns and shares with the attention implementations of its model
+    (:func:`attach_state`).
 
     Attributes:
-        active: a Vegas proposer lives in this process (set by its constructor).
         collect: compute page scores on target forwards (``active`` and the algorithm needs them).
         drafting: a draft forward is running (no scores; set by the proposer).
         num_queries: queries scored per request (γ + 1).
@@ -37,14 +38,22 @@ class VegasState:
             forward, rows in that forward's batch order.
     """
 
-    active: bool = False
     collect: bool = False
     drafting: bool = False
     num_queries: int = 1
     scores: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-STATE = VegasState()
+def attach_state(model: torch.nn.Module, state: VegasState) -> int:
+    """Give every attention layer of ``model`` (modules with an ``impl``) the proposer's ``state``;
+    returns how many layers got it. Layers without one record no scores."""
+    n = 0
+    for m in model.modules():
+        impl = getattr(m, "impl", None)
+        if impl is not None and hasattr(m, "layer_name"):
+            impl.vegas_state = state
+            n += 1
+    return n
 
 
 #: CPU attention ISAs whose key pages are stored ``[D, block_size]`` (checked by
@@ -65,10 +74,12 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def record_scores(layer, impl, query, key_cache, attn_metadata) -> None:
-    """Store the page scores of this target forward for ``layer`` (see :data:`STATE`); no-op on
-    draft forwards, without an active Vegas proposer, outside decoder self-attention."""
-    st = STATE
-    if (st.collect and not st.drafting and attn_metadata is not None and impl.attn_type == AttentionType.DECODER):
+    """Store the page scores of this target forward for ``layer`` in the proposer's state (see
+    :func:`attach_state`); no-op on draft forwards, without a Vegas proposer, outside decoder
+    self-attention."""
+    st = getattr(impl, "vegas_state", None)
+    if (st is not None and st.collect and not st.drafting and attn_metadata is not None
+            and impl.attn_type == AttentionType.DECODER):
         n = attn_metadata.num_actual_tokens
         num_reqs = attn_metadata.seq_lens.shape[0]
         st.scores[layer.layer_name] = ops.paged_block_scores(

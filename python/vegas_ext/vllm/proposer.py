@@ -35,17 +35,47 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import numpy as np
 import torch
 
 from .. import ops
 from ..selection import streaming_indices
-from .backend import PLAIN_KEY_ISAS, STATE
+from .backend import PLAIN_KEY_ISAS, VegasState, attach_state
 from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
 
 __all__ = ["VegasProposer"]
+
+
+@dataclass
+class _Drafting:
+    """The requests of one step that draft, as index tensors on the cache's device.
+
+    ``rows``: batch indices; ``P``: position of each request's sampled token; ``tail0``: first
+    tail page; ``ndraft``: drafts per request (its cap); ``last``: the sampled token; ``bt``:
+    ``[R, W]`` physical pages of each request."""
+
+    rows: List[int]
+    P: torch.Tensor
+    tail0: torch.Tensor
+    ndraft: torch.Tensor
+    ndraft_list: List[int]
+    last: torch.Tensor
+    bt: torch.Tensor
+
+
+@dataclass
+class _Tables:
+    """Per-layer compacted block tables ``[L, R, max_k + max_tail]`` (selected pages, then the
+    tail pages), pages selected per (layer, request) ``nsel`` ``[L, R]``, the budget ``k`` ``[R]``
+    and whether every layer has the same table."""
+
+    table: torch.Tensor
+    nsel: torch.Tensor
+    k: torch.Tensor
+    same_for_all_layers: bool
 
 
 class VegasProposer:
@@ -54,6 +84,9 @@ class VegasProposer:
     Args:
         vllm_config: the engine's ``VllmConfig``; the Vegas options come from
             ``additional_config["vegas"]`` (validated again here, in the worker).
+
+    The proposer owns the :class:`~vegas_ext.vllm.backend.VegasState` it shares with its model's
+    attention layers (handed to them by :func:`~vegas_ext.vllm.backend.attach_state`).
     """
 
     def __init__(self, vllm_config):
@@ -76,14 +109,14 @@ class VegasProposer:
             "sparse_layer_steps": 0,  # (request, step, layer) with fewer pages read than dense
         }
         self._stats_dir = os.environ.get("VEGAS_VLLM_STATS_DIR") or None
-        STATE.active = True
-        STATE.collect = self.options.sparse_attn_algorithm == "vegas"
-        STATE.num_queries = self.num_speculative_tokens + 1
-        STATE.scores.clear()
+        self.state = VegasState(collect=self.options.sparse_attn_algorithm == "vegas",
+                                num_queries=self.num_speculative_tokens + 1)
+        self._attached = False
 
     def load_model(self, target_model) -> None:
         """Called by the runner with the target model: the drafter is the model itself."""
         self.model = target_model
+        self._attached = attach_state(target_model, self.state) > 0
 
     def propose(self, *args, **kwargs):  # pragma: no cover - reached only without the runner hook
         raise RuntimeError(
@@ -92,6 +125,30 @@ class VegasProposer:
             "by VLLM_PLUGINS?)")
 
     # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_with_runner(self, runner, scheduler_output, sampled_token_ids: List[List[int]], cm) -> List[List[int]]:
+        """Draft for the runner's current batch; returns one list of draft token ids per request:
+        requests to draft -> page selection -> compacted tables -> γ draft forwards."""
+        out: List[List[int]] = [[] for _ in range(len(sampled_token_ids))]
+        scores, self.state.scores = self.state.scores, {}
+        if not out or cm is None:
+            return out
+        group = self._group(runner)
+        layer_names = list(group.layer_names)
+        self._check_layers(runner, layer_names)
+        bs = int(group.kv_cache_spec.block_size)
+        req = self._requests(runner, group, cm, sampled_token_ids, bs)
+        if req is None:
+            return out
+        tables = self._tables(req, self._select(req, scores, layer_names, bs), bs)
+        drafts = self._draft(runner, group.get_metadata_builder(0), layer_names, req, tables, bs)
+        self.stats["steps"] += 1
+        for r, i in enumerate(req.rows):
+            out[i] = drafts[r, : req.ndraft_list[r]].tolist()
+        if self._stats_dir:
+            self._dump_stats()
+        return out
+
     def _group(self, runner):
         groups = [g for gs in runner.attn_groups for g in gs]
         if len(groups) != 1:
@@ -104,41 +161,29 @@ class VegasProposer:
     def _check_layers(self, runner, layer_names) -> None:
         if getattr(self, "_layers_checked", False):
             return
+        if not self._attached:  # load_model was not given the model whose layers run
+            attach_state(runner.model, self.state)
+            self._attached = True
         ctx = runner.compilation_config.static_forward_context
         for name in layer_names if runner.device.type == "cpu" else ():
             isa = getattr(ctx[name], "isa", None)
-            if STATE.collect and isa not in PLAIN_KEY_ISAS:
+            if self.state.collect and isa not in PLAIN_KEY_ISAS:
                 raise RuntimeError(
                     f"vegas_ext.vllm: the CPU attention ISA {isa!r} of layer {name} stores keys in a layout "
                     f"paged_block_scores does not read (supported: {PLAIN_KEY_ISAS}); use float32 or "
                     "sparse_attn_algorithm='streamingllm'")
         self._layers_checked = True
 
-    @torch.inference_mode()
-    def propose_with_runner(self, runner, scheduler_output, sampled_token_ids: List[List[int]], cm) -> List[List[int]]:
-        """Draft for the runner's current batch; returns one list of draft token ids per request."""
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
+    def _requests(self, runner, group, cm, sampled_token_ids, bs: int):
+        """The requests that draft this step (sampled a token, have reserved slots), or ``None``."""
         gamma = self.num_speculative_tokens
         num_reqs = len(sampled_token_ids)
-        out: List[List[int]] = [[] for _ in range(num_reqs)]
-        scores = STATE.scores
-        STATE.scores = {}
-        if num_reqs == 0 or cm is None:
-            return out
-        group = self._group(runner)
-        layer_names = list(group.layer_names)
-        self._check_layers(runner, layer_names)
-        builder = group.get_metadata_builder(0)
-        bs = int(group.kv_cache_spec.block_size)
         ib = runner.input_batch
         bt_all = cm.block_table_tensor[:num_reqs]
         num_blocks = ib.block_table[group.kv_cache_group_id].num_blocks_per_row[:num_reqs]
-        qsl = cm.query_start_loc_cpu[: num_reqs + 1].numpy() if cm.query_start_loc_cpu is not None else cm.query_start_loc[: num_reqs + 1].cpu().numpy()
+        qsl = (cm.query_start_loc_cpu if cm.query_start_loc_cpu is not None else cm.query_start_loc.cpu())
+        q_lens = np.diff(qsl[: num_reqs + 1].numpy())
         ver_lens = cm.seq_lens[:num_reqs].cpu().numpy()
-        q_lens = np.diff(qsl)
-
         rows, P, tail0, ndraft, last = [], [], [], [], []
         for i in range(num_reqs):
             if len(sampled_token_ids[i]) == 0:
@@ -147,112 +192,125 @@ class VegasProposer:
             cap = min(gamma, self.max_model_len - p, int(num_blocks[i]) * bs - p)
             if cap <= 0:
                 continue
-            ts = int(ver_lens[i]) - min(int(q_lens[i]), gamma + 1)
             rows.append(i)
             P.append(p)
-            tail0.append(ts // bs)
+            tail0.append((int(ver_lens[i]) - min(int(q_lens[i]), gamma + 1)) // bs)
             ndraft.append(cap)
             last.append(int(sampled_token_ids[i][-1]))
         if not rows:
-            return out
-        R = len(rows)
-        L = len(layer_names)
+            return None
         dev = bt_all.device
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        P_t = torch.tensor(P, dtype=torch.long, device=dev)
-        tail0_t = torch.tensor(tail0, dtype=torch.long, device=dev)
-        bt = bt_all[rows_t].long()  # [R, W] physical pages
+        return _Drafting(rows=rows, P=torch.tensor(P, dtype=torch.long, device=dev),
+                         tail0=torch.tensor(tail0, dtype=torch.long, device=dev),
+                         ndraft=torch.tensor(ndraft, device=dev), ndraft_list=ndraft,
+                         last=torch.tensor(last, dtype=torch.int32, device=dev), bt=bt_all[rows_t].long())
 
-        # --- selection: logical page ids [L, R, max_k] ascending, -1 padded
+    def _select(self, req: _Drafting, scores, layer_names, bs: int):
+        """Logical page ids ``[L, R, max_k]`` (ascending, -1 padded), the budget ``k`` ``[R]`` and
+        whether the selection is shared by all layers. ``"vegas"`` without scores (no target
+        forward recorded them, e.g. a warm-up) falls back to StreamingLLM pages."""
         opts = self.options
-        k = torch.tensor([opts.budget_pages(p + 1, bs) for p in P], dtype=torch.int32, device=dev)
-        nc = tail0_t.to(torch.int32)
+        L, R, dev = len(layer_names), len(req.rows), req.bt.device
+        k = torch.tensor([opts.budget_pages(p + 1, bs) for p in req.P.tolist()], dtype=torch.int32, device=dev)
+        nc = req.tail0.to(torch.int32)
         max_k = max(1, int(torch.minimum(k, nc).max()))
-        # vegas without scores (no target forward recorded them, e.g. a warm-up) falls back to streaming
-        have_scores = opts.sparse_attn_algorithm == "vegas" and all(n in scores for n in layer_names)
-        if have_scores:
+        if opts.sparse_attn_algorithm == "vegas" and all(n in scores for n in layer_names):
+            rows_t = torch.tensor(req.rows, dtype=torch.long, device=scores[layer_names[0]].device)
             s = torch.stack([scores[n][rows_t].sum(1) for n in layer_names])  # [L, R, W]
             W = s.shape[-1]
             sel = ops.block_topk(s.reshape(L * R, 1, W).contiguous(), k.repeat(L), nc.repeat(L), max_k,
                                  opts.num_sink_pages).view(L, R, max_k)
-        else:
-            sel = streaming_indices(k, nc, opts.num_sink_pages, max_k).view(1, R, max_k).expand(L, R, max_k)
+            return sel, k, False
+        sel = streaming_indices(k, nc, opts.num_sink_pages, max_k).view(1, R, max_k).expand(L, R, max_k)
+        return sel, k, True
+
+    @staticmethod
+    def _tables(req: _Drafting, selection, bs: int) -> _Tables:
+        """Compacted tables: each layer's selected pages, then the tail pages up to the last page
+        the drafts write."""
+        sel, k, same = selection
+        L, R, max_k = sel.shape
+        dev, bt = req.bt.device, req.bt
         nsel = (sel >= 0).sum(-1)  # [L, R]
-        # --- compacted tables [L, R, max_k + max_tail]: selected pages, then the tail pages
-        last_page = (P_t + torch.tensor(ndraft, device=dev) - 1) // bs  # [R]
-        n_tail = last_page - tail0_t + 1
-        max_tail = int(n_tail.max())
-        tail_logical = tail0_t.view(R, 1) + torch.arange(max_tail, device=dev).view(1, max_tail)
-        tail_logical = torch.minimum(tail_logical, last_page.view(R, 1))
-        tail_phys = torch.gather(bt, 1, tail_logical)  # [R, max_tail]
+        last_page = (req.P + req.ndraft - 1) // bs  # [R]
+        max_tail = int((last_page - req.tail0 + 1).max())
+        tail_logical = req.tail0.view(R, 1) + torch.arange(max_tail, device=dev).view(1, max_tail)
+        tail_phys = torch.gather(bt, 1, torch.minimum(tail_logical, last_page.view(R, 1)))  # [R, max_tail]
         sel_phys = torch.gather(bt.unsqueeze(0).expand(L, R, bt.shape[1]), 2, sel.clamp(min=0).long())
         table = torch.zeros(L, R, max_k + max_tail, dtype=torch.long, device=dev)
         table[..., :max_k] = sel_phys
         pos_tail = nsel.view(L, R, 1) + torch.arange(max_tail, device=dev).view(1, 1, max_tail)
         table.scatter_(2, pos_tail, tail_phys.unsqueeze(0).expand(L, R, max_tail))
-        table = table.to(torch.int32)
-        same_for_all_layers = not have_scores
+        return _Tables(table=table.to(torch.int32), nsel=nsel, k=k, same_for_all_layers=same)
 
-        # --- γ draft forwards
-        ndraft_t = torch.tensor(ndraft, device=dev)
-        tokens = torch.tensor(last, dtype=torch.int32, device=dev)
+    def _metadata(self, builder, layer_names, tables: _Tables, act, tail_len, slots, pos, bs: int):
+        """Attention metadata per layer for one draft step of the active requests ``act``."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        n = int(act.numel())
+        qsl_d = torch.arange(n + 1, dtype=torch.int32, device=act.device)
+        md, built = {}, None
+        for li, name in enumerate(layer_names):
+            if built is None or not tables.same_for_all_layers:
+                lens = (tables.nsel[li, act] * bs + tail_len).to(torch.int32)
+                c = CommonAttentionMetadata(
+                    query_start_loc=qsl_d, query_start_loc_cpu=qsl_d.cpu(), seq_lens=lens, num_reqs=n,
+                    num_actual_tokens=n, max_query_len=1, max_seq_len=int(lens.max()),
+                    block_table_tensor=tables.table[li, act].contiguous(), slot_mapping=slots, causal=True,
+                    seq_lens_cpu_upper_bound=lens.cpu(), positions=pos)
+                built = builder.build(0, c)
+            md[name] = built
+        return md
+
+    def _count(self, tables: _Tables, act, dense_len, tail_len, bs: int) -> None:
+        """Debug counters of one draft step: pages read per (request, layer) against budget + tail."""
+        st, n, L = self.stats, int(act.numel()), tables.nsel.shape[0]
+        read = tables.nsel[:, act] + (tail_len.view(1, n) + bs - 1) // bs  # [L, n]
+        dense_pages = (dense_len + bs - 1) // bs
+        tail_pages = (tail_len + bs - 1) // bs
+        k = tables.k[act]
+        st["draft_tokens"] += n
+        st["pages_read"] += int(read.sum())
+        st["pages_dense"] += int(dense_pages.sum()) * L
+        st["budget_pages"] += int(k.sum()) * L
+        st["tail_pages"] += int(tail_pages.sum()) * L
+        st["max_over_budget"] = max(st["max_over_budget"], int((read - (k.view(1, n) + tail_pages.view(1, n))).max()))
+        st["sparse_layer_steps"] += int((read < dense_pages.view(1, n)).sum())
+
+    def _draft(self, runner, builder, layer_names, req: _Drafting, tables: _Tables, bs: int) -> torch.Tensor:
+        """γ greedy draft forwards, one token per active request each; returns ``[R, γ]`` int64
+        (CPU; entries past a request's ``ndraft`` are unused). Each token's K/V go to its real slot."""
+        from vllm.forward_context import set_forward_context
+
+        gamma, R = self.num_speculative_tokens, len(req.rows)
+        tokens = req.last
         drafts = torch.zeros(R, gamma, dtype=torch.long)
-        st = self.stats
-        STATE.drafting = True
+        self.state.drafting = True
         try:
             for j in range(gamma):
-                act = (ndraft_t > j).nonzero().flatten()
+                act = (req.ndraft > j).nonzero().flatten()
                 n = int(act.numel())
                 if n == 0:
                     break
-                pos = P_t[act] + j
-                slots = bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
+                pos = req.P[act] + j
+                slots = req.bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
                 dense_len = pos + 1
-                tail_len = dense_len - tail0_t[act] * bs
-                qsl_d = torch.arange(n + 1, dtype=torch.int32, device=dev)
-                md = {}
-                built = None
-                for li, name in enumerate(layer_names):
-                    if built is not None and same_for_all_layers:
-                        md[name] = built
-                        continue
-                    lens = (nsel[li, act] * bs + tail_len).to(torch.int32)
-                    c = CommonAttentionMetadata(
-                        query_start_loc=qsl_d, query_start_loc_cpu=qsl_d.cpu(), seq_lens=lens, num_reqs=n,
-                        num_actual_tokens=n, max_query_len=1, max_seq_len=int(lens.max()),
-                        block_table_tensor=table[li, act].contiguous(), slot_mapping=slots, causal=True,
-                        seq_lens_cpu_upper_bound=lens.cpu(), positions=pos)
-                    built = builder.build(0, c)
-                    md[name] = built
-                # counters: pages read per (request, layer) vs budget + tail
-                read = nsel[:, act] + (tail_len.view(1, n) + bs - 1) // bs  # [L, n]
-                dense_pages = (dense_len + bs - 1) // bs
-                tail_pages = (tail_len + bs - 1) // bs
-                st["draft_tokens"] += n
-                st["pages_read"] += int(read.sum())
-                st["pages_dense"] += int(dense_pages.sum()) * L
-                st["budget_pages"] += int(k[act].sum()) * L
-                st["tail_pages"] += int(tail_pages.sum()) * L
-                st["max_over_budget"] = max(st["max_over_budget"], int((read - (k[act].view(1, n) + tail_pages.view(1, n))).max()))
-                st["sparse_layer_steps"] += int((read < dense_pages.view(1, n)).sum())
+                tail_len = dense_len - req.tail0[act] * bs
+                md = self._metadata(builder, layer_names, tables, act, tail_len, slots, pos, bs)
+                self._count(tables, act, dense_len, tail_len, bs)
                 with set_forward_context(md, self.vllm_config, num_tokens=n,
                                          slot_mapping={name: slots for name in layer_names}):
                     hidden = runner.model(input_ids=tokens[act], positions=pos, intermediate_tensors=None,
                                           inputs_embeds=None)
-                logits = runner.model.compute_logits(hidden)
-                nxt = logits.argmax(dim=-1)
-                st["draft_forwards"] += 1
+                nxt = runner.model.compute_logits(hidden).argmax(dim=-1)
+                self.stats["draft_forwards"] += 1
                 drafts[act.cpu(), j] = nxt.cpu().long()
                 tokens = tokens.clone()
                 tokens[act] = nxt.to(torch.int32)
         finally:
-            STATE.drafting = False
-        st["steps"] += 1
-        for r, i in enumerate(rows):
-            out[i] = drafts[r, : ndraft[r]].tolist()
-        if self._stats_dir:
-            self._dump_stats()
-        return out
+            self.state.drafting = False
+        return drafts
 
     def _dump_stats(self) -> None:
         try:
