@@ -26,9 +26,11 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import config
+
 #: Algorithms ``--algorithm`` accepts, checked before torch is imported (a test keeps this equal
 #: to the decode loop's registry, ``vegas_ext.decode.SELECTION_ALGORITHMS`` with the rivals).
-ALGORITHMS = ("full", "quest", "streamingllm", "vegas")
+ALGORITHMS = config.ALGORITHMS
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
 #: Seconds between progress lines when stderr is not a terminal (a log file or a pipe).
 LOG_INTERVAL_S = 10.0
@@ -140,43 +142,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args) -> None:
-    """Range and choice checks that need no torch (so a bad flag fails in well under a second)."""
-    if args.num_speculative_tokens != "auto":
+    """Type, range and choice checks that need no torch (so a bad flag fails in well under a
+    second): the decode options through :mod:`vegas_ext.config`, as :func:`vegas_ext.generate`
+    checks them, named by their flags; the CLI's own flags here."""
+    gamma = args.num_speculative_tokens
+    if gamma != "auto":
         try:
-            args.num_speculative_tokens = int(args.num_speculative_tokens)
+            gamma = args.num_speculative_tokens = int(gamma)
         except ValueError:
-            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {args.num_speculative_tokens!r}") from None
-        if args.num_speculative_tokens < 1:
-            raise CLIError(f"--num-speculative-tokens must be >= 1 or auto, got {args.num_speculative_tokens}")
-    if args.max_speculative_tokens < 1:
-        raise CLIError(f"--max-speculative-tokens must be >= 1, got {args.max_speculative_tokens}")
-    if not (0.0 < args.ratio <= 1.0) or math.isnan(args.ratio):
-        raise CLIError(f"--ratio must be in (0, 1], got {args.ratio}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_new_tokens < 1:
-        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.block_size is not None and args.block_size < 1:
-        raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
-    if args.min_tokens < 0 or (args.max_tokens is not None and args.max_tokens < 1):
-        raise CLIError("--min-tokens must be >= 0 and --max-tokens >= 1")
-    if args.sink_blocks < 0:
-        raise CLIError(f"--sink-blocks must be >= 0, got {args.sink_blocks}")
-    if args.refresh_interval < 1:
-        raise CLIError(f"--refresh-interval must be >= 1, got {args.refresh_interval}")
-    if args.algorithm not in ALGORITHMS:
-        raise CLIError(f"unknown --algorithm {args.algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {gamma!r}") from None
+    values = dict(
+        max_new_tokens=args.max_new_tokens, num_speculative_tokens=gamma,
+        max_speculative_tokens=args.max_speculative_tokens, sparse_attn_algorithm=args.algorithm,
+        sparse_attn_ratio=args.ratio, sparse_attn_min_tokens=args.min_tokens, sparse_attn_max_tokens=args.max_tokens,
+        block_size=args.block_size, num_sink_blocks=args.sink_blocks, share_selection_across_heads=args.share_selection,
+        query_weights=args.query_weights, selection_refresh_interval=args.refresh_interval, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+    )
+    labels = {name: opt.cli for name, opt in config.OPTIONS.items() if opt.cli}
+    try:
+        if gamma != "auto":  # >= 1: the CLI's plain decoding is --algorithm full
+            config.check_int(gamma, "--num-speculative-tokens", 1, config.INT64_MAX, what="or auto")
+        config.check_generate_options(values, labels)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if args.batch_size is not None:
+            config.check_int(args.batch_size, "--batch-size", 1, config.MAX_BATCH_SIZE)
+        if args.seed is not None:
+            config.check_seed(args.seed, "--seed")
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     if str(args.dtype).lower().replace("torch.", "") not in DTYPES:
         raise CLIError(f"unknown --dtype {args.dtype!r}; choose one of float32, bfloat16, float16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
         raise CLIError(f"--device must be cpu, cuda, cuda:N or auto, got {args.device!r}")
-    if args.do_sample:
-        if not (args.temperature > 0) or math.isinf(args.temperature):
-            raise CLIError(f"--temperature must be > 0, got {args.temperature}")
-        if not (0.0 < args.top_p <= 1.0):
-            raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
-        if args.top_k < 0:
-            raise CLIError(f"--top-k must be >= 0, got {args.top_k}")
     if args.prompt is not None and any(p == "" for p in args.prompt):
         raise CLIError("--prompt must not be empty")
     if args.json_prompt_ids and not args.json:
@@ -193,8 +192,10 @@ def _eprint(*a, **k):
 def _read_prompts(args) -> List[str]:
     if args.prompt_file is not None:
         if args.prompt_file == "-":
-            text = sys.stdin.read()
+            text = _read_stdin()
         else:
+            if os.path.isdir(args.prompt_file):
+                raise CLIError(f"--prompt-file {args.prompt_file} is a directory, not a text file")
             if not os.path.isfile(args.prompt_file):
                 raise CLIError(f"prompt file not found: {args.prompt_file}")
             try:
@@ -213,6 +214,17 @@ def _read_prompts(args) -> List[str]:
         prompts = [default_prompt()]
     n = args.batch_size or len(prompts)
     return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _read_stdin() -> str:
+    """The prompt from stdin (``--prompt-file -``) as UTF-8 text, whatever the locale says."""
+    buf = getattr(sys.stdin, "buffer", None)
+    try:
+        if buf is None:  # a text stream without bytes underneath (tests, embedding)
+            return sys.stdin.read()
+        return buf.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode's newlines
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--prompt-file -: stdin is not UTF-8 text ({e})") from None
 
 
 def _encode(tok, prompts: List[str], chat: bool) -> List[List[int]]:

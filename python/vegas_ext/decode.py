@@ -27,11 +27,12 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from . import config
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
 from .hf import AttentionState, patched
@@ -537,9 +538,6 @@ def drop_finished_rows(state: DecodeState) -> None:
 
 
 # =========================================================================== generate
-_QUERY_WEIGHTS = ("all", "first_last")
-
-
 def _first_last_weights(device):
     def fn(q_len: int) -> Tensor:
         w = torch.zeros(q_len, dtype=torch.float32, device=device)
@@ -557,17 +555,23 @@ def _cache_kwarg(model) -> str:
 
 def _eos_and_pad(model, eos_token_id, pad_token_id):
     """``(eos ids, pad id)``: the given ones, else the generation config's / config's (pad: else
-    the first EOS, else 0)."""
-    eos_ids = _as_id_list(eos_token_id if eos_token_id is not None else getattr(model.generation_config, "eos_token_id", None))
+    the first EOS, else 0); checked by :func:`vegas_ext.config.check_token_ids` /
+    :func:`~vegas_ext.config.check_int` (errors name the argument)."""
+    if eos_token_id is not None:
+        eos_ids = config.check_token_ids(eos_token_id, "eos_token_id")
+    else:
+        eos_ids = config.check_token_ids(getattr(model.generation_config, "eos_token_id", None),
+                                         "model.generation_config.eos_token_id")
+    name = "pad_token_id"
     if pad_token_id is None:
+        name = "model.generation_config.pad_token_id"
         pad_token_id = getattr(model.generation_config, "pad_token_id", None)
         if pad_token_id is None:
+            name = "model.config.pad_token_id"
             pad_token_id = getattr(model.config, "pad_token_id", None)
         if pad_token_id is None:
             pad_token_id = eos_ids[0] if eos_ids else 0
-    if isinstance(pad_token_id, bool) or not hasattr(pad_token_id, "__index__"):
-        raise ValueError(f"pad_token_id must be an int, got {pad_token_id!r}")
-    return eos_ids, int(pad_token_id)
+    return eos_ids, config.check_int(pad_token_id, name, config.INT64_MIN, config.INT64_MAX)
 
 
 def _left_aligned(input_ids: Tensor, prompt_lens: Tensor, filler: int) -> Tensor:
@@ -579,63 +583,34 @@ def _left_aligned(input_ids: Tensor, prompt_lens: Tensor, filler: int) -> Tensor
     return torch.where(ar[None, :] < prompt_lens[:, None], aligned, torch.full_like(aligned, filler))
 
 
-def _as_id_list(x) -> List[int]:
-    if x is None:
-        return []
-    if isinstance(x, Tensor):
-        return [int(v) for v in x.flatten().tolist()]
-    vals = list(x) if isinstance(x, (list, tuple)) else [x]
-    for v in vals:
-        if isinstance(v, bool) or not hasattr(v, "__index__"):  # ints, numpy ints, 0-d int tensors
-            raise ValueError(f"token ids must be ints, got {v!r}")
-    return [int(v) for v in vals]
+def _check_options(**options) -> dict:
+    """The options of :func:`generate` by name, validated by :mod:`vegas_ext.config` (types, then
+    ranges) and normalized (numpy / 0-d tensor integers to ``int``); raises ``ValueError`` (or
+    :class:`~vegas_ext.config.OptionTypeError`, also a ``ValueError``) naming the first bad one."""
+    return config.check_generate_options(options, algorithms=SELECTION_ALGORITHMS)
 
 
-def _check_options(*, max_new_tokens, num_speculative_tokens, max_speculative_tokens, sparse_attn_algorithm,
-                   sparse_attn_ratio,
-                   sparse_attn_min_tokens, sparse_attn_max_tokens, block_size, num_sink_blocks,
-                   selection_refresh_interval, query_weights, do_sample, temperature, top_k, top_p) -> None:
-    """``ValueError`` naming the first out-of-range option of :func:`generate`."""
-    if sparse_attn_algorithm not in SELECTION_ALGORITHMS:
-        raise ValueError(
-            f"sparse_attn_algorithm must be one of {sorted(SELECTION_ALGORITHMS)}, got {sparse_attn_algorithm!r}"
-        )
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if num_speculative_tokens != "auto" and (
-            isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int)
-            or num_speculative_tokens < 0):
-        raise ValueError(f"num_speculative_tokens must be an int >= 0 or 'auto', got {num_speculative_tokens!r}")
-    if isinstance(max_speculative_tokens, bool) or not isinstance(max_speculative_tokens, int) or max_speculative_tokens < 1:
-        raise ValueError(f"max_speculative_tokens must be an int >= 1, got {max_speculative_tokens!r}")
-    if not (0.0 < float(sparse_attn_ratio) <= 1.0):
-        raise ValueError(f"sparse_attn_ratio must lie in (0, 1], got {sparse_attn_ratio}")
-    if sparse_attn_min_tokens < 0:
-        raise ValueError(f"sparse_attn_min_tokens must be >= 0, got {sparse_attn_min_tokens}")
-    if sparse_attn_max_tokens is not None and sparse_attn_max_tokens < max(1, sparse_attn_min_tokens):
-        raise ValueError(
-            f"sparse_attn_max_tokens ({sparse_attn_max_tokens}) must be >= max(1, sparse_attn_min_tokens)"
-        )
-    for name, v in (("do_sample", do_sample),):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {v!r}")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
-        raise ValueError(f"block_size must be an int >= 1 or None, got {block_size!r}")
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1 (or None for the algorithm's default), got {block_size}")
-    if num_sink_blocks < 0:
-        raise ValueError(f"num_sink_blocks must be >= 0, got {num_sink_blocks}")
-    if not isinstance(selection_refresh_interval, int) or selection_refresh_interval < 1:
-        raise ValueError(f"selection_refresh_interval must be an int >= 1, got {selection_refresh_interval!r}")
-    if query_weights not in _QUERY_WEIGHTS:
-        raise ValueError(f"query_weights must be one of {_QUERY_WEIGHTS}, got {query_weights!r}")
-    if do_sample:
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if not (0.0 < top_p <= 1.0):
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+def _check_prefill_cache(pc) -> None:
+    """``prefill_cache`` is ``None`` or a dict this function filled (or empty): the entries it
+    reads have the types it stores, so a foreign dict fails here naming it, not deep in the copy."""
+    if pc is None:
+        return
+    if not isinstance(pc, dict):
+        raise config.OptionTypeError(f"prefill_cache must be a dict or None, got {type(pc).__name__}")
+    ids = pc.get("ids")
+    if ids is not None and not (isinstance(ids, Tensor) and ids.dim() == 2):
+        raise config.OptionTypeError(
+            f"prefill_cache['ids'] must be a [B, t] tensor (as a previous generate call stored), "
+            f"got {type(ids).__name__}")
+    for key in ("k", "v"):
+        kv = pc.get(key)
+        if kv is not None and not (isinstance(kv, (list, tuple)) and all(isinstance(t, Tensor) for t in kv)):
+            raise config.OptionTypeError(
+                f"prefill_cache[{key!r}] must be a list of tensors (as a previous generate call stored), "
+                f"got {type(kv).__name__}")
+    ref = pc.get("model")
+    if ref is not None and not callable(ref):
+        raise config.OptionTypeError(f"prefill_cache['model'] must be a weak reference, got {type(ref).__name__}")
 
 
 def _left_padded_prompts(model, input_ids, attention_mask, streamer):
@@ -654,6 +629,9 @@ def _left_padded_prompts(model, input_ids, attention_mask, streamer):
     input_ids = input_ids.to(device=device, dtype=torch.long)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if not isinstance(attention_mask, Tensor):
+        raise config.OptionTypeError(
+            f"attention_mask must be a [B, T] tensor of 0/1 or None, got {type(attention_mask).__name__}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
     attention_mask = attention_mask.to(device)
@@ -665,11 +643,37 @@ def _left_padded_prompts(model, input_ids, attention_mask, streamer):
     if bool((prompt_lens == 0).any()):
         raise ValueError("every row needs at least one prompt token")
 
+    _check_token_range(model, input_ids, attention_mask)
+    _check_model_dtype(model)
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30) or (1 << 30))
     Lmax = int(prompt_lens.max())
     if Lmax > max_pos:
         raise ValueError(f"prompt of {Lmax} tokens is longer than the model's max_position_embeddings ({max_pos})")
     return input_ids, prompt_lens, device, max_pos
+
+
+def _check_token_range(model, input_ids: Tensor, attention_mask: Tensor) -> None:
+    """``ValueError`` unless every prompt token (padding aside) is in ``[0, vocab size)``: the
+    embedding would fail with a bare ``IndexError`` (or read out of bounds on a GPU)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None) or int(model.config.vocab_size)
+    real = input_ids[attention_mask != 0]
+    lo, hi = int(real.min()), int(real.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the model's vocabulary), got {bad}")
+
+
+def _check_model_dtype(model) -> None:
+    """``ValueError`` before any forward unless the model computes in a dtype the Vegas ops take
+    (:data:`vegas_ext.config.MODEL_DTYPES`; the input embedding's dtype is the hidden states')."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    dtype = w.dtype if isinstance(w, Tensor) else next(model.parameters()).dtype
+    name = str(dtype).replace("torch.", "")
+    if name not in config.MODEL_DTYPES:
+        raise ValueError(f"model dtype {name} is not supported: the Vegas ops compute in "
+                         f"{', '.join(config.MODEL_DTYPES)} (convert with model.to(torch.float32))")
 
 
 def generate(
@@ -797,8 +801,11 @@ def generate(
     Raises:
         ValueError: unsupported model or sliding window smaller than the context (names
             ``config.sliding_window``), unknown algorithm or ``query_weights``, right padding or an
-            empty prompt, a prompt longer than the model's positions, and out-of-range options
-            (``gamma < 0``, ratio outside ``(0, 1]``, ``block_size < 1``, ...).
+            empty prompt, a prompt longer than the model's positions, prompt tokens outside the
+            vocabulary, a model dtype the ops do not take (float64), and out-of-range options
+            (``gamma < 0``, ratio outside ``(0, 1]``, ``block_size < 1``, NaN, past int64, ...).
+        TypeError: an option of the wrong type (``config.OptionTypeError``, also a ``ValueError``):
+            types are checked, not coerced; see :mod:`vegas_ext.config` and ``docs/options.md``.
 
     Defaults, and why (SmolLM2-135M-Instruct, fp32, CPU, 1 thread; ``bench/decode_defaults.py``
     and ``bench/decode_step_costs.py``):
@@ -830,16 +837,25 @@ def generate(
       choices (same run: shared 4.93, shared + first/last 4.88, default 4.87, first/last alone
       4.70), and per-head selection is what the kernels are built for.
     """
-    _check_options(
+    opts = _check_options(
         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
         max_speculative_tokens=max_speculative_tokens,
         sparse_attn_algorithm=sparse_attn_algorithm, sparse_attn_ratio=sparse_attn_ratio,
         sparse_attn_min_tokens=sparse_attn_min_tokens, sparse_attn_max_tokens=sparse_attn_max_tokens,
         block_size=block_size, num_sink_blocks=num_sink_blocks, selection_refresh_interval=selection_refresh_interval,
+        share_selection_across_heads=share_selection_across_heads,
         query_weights=query_weights, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        return_cache=return_cache,
     )
-    if prefill_cache is not None and not isinstance(prefill_cache, dict):
-        raise ValueError(f"prefill_cache must be a dict or None, got {type(prefill_cache).__name__}")
+    # the normalized values (a numpy or 0-d tensor integer becomes an int)
+    max_new_tokens, num_speculative_tokens = opts["max_new_tokens"], opts["num_speculative_tokens"]
+    max_speculative_tokens, sparse_attn_ratio = opts["max_speculative_tokens"], opts["sparse_attn_ratio"]
+    sparse_attn_min_tokens, sparse_attn_max_tokens = opts["sparse_attn_min_tokens"], opts["sparse_attn_max_tokens"]
+    block_size, num_sink_blocks = opts["block_size"], opts["num_sink_blocks"]
+    selection_refresh_interval, top_k = opts["selection_refresh_interval"], opts["top_k"]
+    temperature, top_p = opts["temperature"], opts["top_p"]
+    _check_prefill_cache(prefill_cache)
+    eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
     if block_size is None:
         block_size = SELECTION_ALGORITHMS[sparse_attn_algorithm].default_block_size
     input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
@@ -880,8 +896,6 @@ def generate(
     # draft slots whatever gamma (or max_speculative_tokens) was asked for
     S_max = min(Lmax + n_cap, max_pos) + min(gamma, max(n_cap - 1, 0)) + 1
     need_ctx = min(Lmax + n_cap, max_pos)
-
-    eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
 
     config_used = {
         "sparse_attn_algorithm": sparse_attn_algorithm,

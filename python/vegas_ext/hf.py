@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import ops
+from . import config, ops
 from .cache import VegasCache
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "vegas"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = config.SUPPORTED_MODEL_TYPES
 
 _ACTIVE: contextvars.ContextVar[Optional["AttentionState"]] = contextvars.ContextVar("vegas_attention_state", default=None)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Type
 import torch
 from torch import Tensor
 
-from . import ops
+from . import config, ops
 from .hf import AttentionState
 
 if TYPE_CHECKING:
@@ -88,7 +88,8 @@ class SelectionContext:
 
 
 def budget_blocks(lengths: Tensor, cfg: SelectionConfig) -> Tensor:
-    """Blocks per row for the draft: ``ceil(ceil(ratio * length) clamped to [min_tokens, max_tokens] / block_size)``.
+    """Blocks per row for the draft: ``ceil(ceil(ratio * length) clamped to [min_tokens, max_tokens] / block_size)``
+    (:func:`vegas_ext.config.budget_blocks`, the formula the vLLM plugin uses too).
 
     Args:
         lengths: ``[B]`` int context lengths.
@@ -97,11 +98,7 @@ def budget_blocks(lengths: Tensor, cfg: SelectionConfig) -> Tensor:
     Returns:
         ``[B]`` int32 block counts.
     """
-    tok = torch.ceil(lengths.double() * cfg.ratio)
-    tok = tok.clamp(min=cfg.min_tokens)
-    if cfg.max_tokens is not None:
-        tok = tok.clamp(max=cfg.max_tokens)
-    return torch.ceil(tok / cfg.block_size).to(torch.int32)
+    return config.budget_blocks(lengths, cfg.ratio, cfg.min_tokens, cfg.max_tokens, cfg.block_size)
 
 
 class SelectionStrategy:
@@ -188,7 +185,8 @@ class VegasSelection(SelectionStrategy):
     between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn")."""
 
     needs_verify_scores = True
-    default_block_size = 1  # token granularity: highest acceptance in bench/results/variants_xeon_avx512
+    # 1, token granularity: highest acceptance in bench/results/variants_xeon_avx512
+    default_block_size = config.DEFAULT_BLOCK_SIZE["vegas"]
 
     def select(self, ctx: SelectionContext) -> Tensor:
         cfg = self.cfg

@@ -73,7 +73,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional
 
-from .options import ALGORITHMS, ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, VegasOptions
+from .options import (ALGORITHMS, ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, VegasOptions,
+                      check_num_speculative_tokens)
 
 __all__ = ["speculative_config", "engine_kwargs", "register", "VegasOptions", "PROPOSER_PATH", "ALGORITHMS"]
 
@@ -104,8 +105,7 @@ def speculative_config(
     Raises:
         ValueError naming the argument when a value is out of range.
     """
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
-        raise ValueError(f"vegas_ext.vllm: num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
+    num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
     opts = VegasOptions(sparse_attn_algorithm, sparse_attn_ratio, sparse_attn_min_tokens, sparse_attn_max_tokens,
                         num_sink_pages)
     out: Dict[str, Any] = {"model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import os
 
-from .options import ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, SUPPORTED_MODEL_TYPES, VegasOptions
+from .options import (ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, SUPPORTED_MODEL_TYPES, VegasOptions,
+                      check_num_speculative_tokens)
 
 _INSTALLED = False
 
@@ -54,9 +55,7 @@ def _wrap_create_speculative_config(EngineArgs) -> None:
             merged = dict(extra.get(ADDITIONAL_CONFIG_KEY) or {})
             merged.update(opts)
             VegasOptions.from_mapping(merged)  # raises ValueError naming the bad option
-            g = spec.get("num_speculative_tokens")
-            if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-                raise ValueError(f"vegas_ext.vllm: num_speculative_tokens must be an integer >= 1, got {g!r}")
+            check_num_speculative_tokens(spec.get("num_speculative_tokens"))
             _check_target(target_model_config, target_parallel_config)
             self.speculative_config = spec
             self.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: merged}

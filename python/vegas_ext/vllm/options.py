@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, Mapping
+
+from .. import config
 
 #: Dotted path of the proposer class that vLLM's ``custom_class`` method builds.
 PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
@@ -12,10 +13,19 @@ ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
 OPTION_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens",
                "num_sink_pages")
-ALGORITHMS = ("vegas", "streamingllm")
+ALGORITHMS = config.VLLM_ALGORITHMS
 #: ``hf_config.model_type`` values whose vLLM models the plugin drafts with (plain decoder-only
 #: attention through one KV cache group, no sliding window).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = config.SUPPORTED_MODEL_TYPES
+_PREFIX = "vegas_ext.vllm: "
+#: The plugin's names in messages; ``num_sink_pages`` is the loop's ``num_sink_blocks`` (a page is
+#: one of vLLM's KV cache blocks).
+_LABELS = {**{k: _PREFIX + k for k in OPTION_KEYS}, "num_sink_blocks": _PREFIX + "num_sink_pages"}
+
+
+def check_num_speculative_tokens(g: Any) -> int:
+    """γ for vLLM: an integer in ``[1, 2**63 - 1]`` (:func:`vegas_ext.config.check_int`)."""
+    return config.check_int(g, _PREFIX + "num_speculative_tokens", 1, config.INT64_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +51,14 @@ class VegasOptions:
     num_sink_pages: int = 1
 
     def __post_init__(self):
-        a = self.sparse_attn_algorithm
-        if a not in ALGORITHMS:
-            raise ValueError(f"vegas_ext.vllm: sparse_attn_algorithm must be one of {ALGORITHMS}, got {a!r}")
-        r = self.sparse_attn_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not (0 < r <= 1):
-            raise ValueError(f"vegas_ext.vllm: sparse_attn_ratio must be a number in (0, 1], got {r!r}")
-        for name in ("sparse_attn_min_tokens", "num_sink_pages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"vegas_ext.vllm: {name} must be an integer >= 0, got {v!r}")
-        m = self.sparse_attn_max_tokens
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < max(1, self.sparse_attn_min_tokens)):
-            raise ValueError(
-                f"vegas_ext.vllm: sparse_attn_max_tokens must be None or an integer >= max(1, sparse_attn_min_tokens) "
-                f"= {max(1, self.sparse_attn_min_tokens)}, got {m!r}")
+        values = {k: getattr(self, k) for k in OPTION_KEYS}
+        values["num_sink_blocks"] = values.pop("num_sink_pages")
+        out = config.check_selection({"sparse_attn_algorithm": values.pop("sparse_attn_algorithm")}, _LABELS,
+                                     algorithms=ALGORITHMS)
+        out.update(config.check_budget(values, _LABELS))
+        out["num_sink_pages"] = out.pop("num_sink_blocks")
+        for k, v in out.items():  # normalized (a numpy integer becomes an int); frozen, hence setattr
+            object.__setattr__(self, k, v)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "VegasOptions":
@@ -69,8 +72,7 @@ class VegasOptions:
         return dataclasses.asdict(self)
 
     def budget_pages(self, context_len: int, page_size: int) -> int:
-        """Pages in the draft's budget (sinks included) for a context of ``context_len`` tokens."""
-        tok = max(math.ceil(context_len * self.sparse_attn_ratio), self.sparse_attn_min_tokens)
-        if self.sparse_attn_max_tokens is not None:
-            tok = min(tok, self.sparse_attn_max_tokens)
-        return -(-tok // page_size)
+        """Pages in the draft's budget (sinks included) for a context of ``context_len`` tokens
+        (:func:`vegas_ext.config.budget_blocks` with ``page_size`` tokens per block)."""
+        return config.budget_blocks(context_len, self.sparse_attn_ratio, self.sparse_attn_min_tokens,
+                                    self.sparse_attn_max_tokens, page_size)

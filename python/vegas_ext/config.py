@@ -1,0 +1,414 @@
+"""Every Vegas option in one place: names, defaults, types, ranges, and the checks that enforce them.
+
+Used by the decode loop (:func:`vegas_ext.generate`), the ``vegas`` CLI and the vLLM plugin
+(:class:`vegas_ext.vllm.VegasOptions`), so each surface accepts and refuses the same values with
+the same words. Standard library only (no torch, no numpy): the CLI checks its flags before the
+heavy imports.
+
+Types are checked, never coerced: ``True`` is not an int, ``1.5`` is not an int, ``"0.5"`` is not
+a float, ``"no"`` is not a bool; NaN and infinities are refused where a number is expected. An
+integer option also takes a numpy integer scalar or a 0-d integer tensor (exactly integral values
+only; ``torch.tensor(2.0)`` and ``numpy.float64(2)`` are refused), returned as a Python ``int``.
+Integers are bounded to int64, and to int32 where the kernels take them as int32 (budget tokens,
+sink blocks). A wrong type raises :class:`OptionTypeError` (a ``TypeError`` that is also a
+``ValueError``, so code catching ``ValueError`` for bad options still catches it); a value out of
+range raises ``ValueError``. Both name the argument and what was expected.
+
+One word per concept in code:
+
+* ``num_speculative_tokens`` -- the drafts per iteration, the paper's γ (``gamma`` in local
+  variables and the ``--gamma`` alias of the CLI flag; vLLM's name for the same number);
+* *block* -- the unit of KV selection, ``block_size`` tokens. The vLLM plugin selects whole KV
+  cache blocks of vLLM, which its public options call *pages* (``num_sink_pages`` is the loop's
+  ``num_sink_blocks``; a page is a block whose size is vLLM's ``block_size``). The public names are
+  kept; :func:`budget_blocks` is the one budget formula for both.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+__all__ = [
+    "INT32_MAX", "INT64_MAX", "INT64_MIN", "SEED_MAX", "MAX_BATCH_SIZE",
+    "ALGORITHMS", "VLLM_ALGORITHMS", "DEFAULT_BLOCK_SIZE", "SUPPORTED_MODEL_TYPES", "QUERY_WEIGHTS",
+    "DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS", "OptionTypeError",
+    "check_int", "check_float", "check_bool", "check_choice", "check_token_ids",
+    "check_length", "check_speculation", "check_budget", "check_selection", "check_sampling",
+    "check_generate_options", "check_seed", "budget_blocks",
+]
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+#: ``torch.manual_seed`` takes ``[-2**63, 2**64 - 1]``.
+SEED_MAX = 2**64 - 1
+#: The CLI's ``--batch-size`` bound (it repeats the prompts into that many rows up front).
+MAX_BATCH_SIZE = 65536
+
+#: The built-in ``sparse_attn_algorithm`` names. The decode loop's registry
+#: (``vegas_ext.selection.SELECTION_ALGORITHMS``) maps each to its class, plus any algorithm
+#: registered later; a test keeps the two equal.
+ALGORITHMS: Tuple[str, ...] = ("full", "quest", "streamingllm", "vegas")
+#: The algorithms the vLLM plugin implements.
+VLLM_ALGORITHMS: Tuple[str, ...] = ("vegas", "streamingllm")
+#: ``block_size=None`` means this, per algorithm (the classes' ``default_block_size``).
+DEFAULT_BLOCK_SIZE: Mapping[str, int] = {"full": 16, "quest": 16, "streamingllm": 16, "vegas": 1}
+#: ``config.model_type`` values the HF drop-in and the vLLM plugin support (decoder-only
+#: attention through one KV cache).
+SUPPORTED_MODEL_TYPES: Tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+QUERY_WEIGHTS: Tuple[str, ...] = ("all", "first_last")
+#: ``draft_weights``: the precision of the weights the draft steps read (``None``: the model's own).
+DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8", "int4")
+#: The model dtypes the Vegas ops compute in (``str(torch.float32)`` without ``"torch."``).
+MODEL_DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+class OptionTypeError(TypeError, ValueError):
+    """An option of the wrong type. Also a ``ValueError``: bad options raised ``ValueError``
+    before, and callers (the CLI among them) catch that."""
+
+
+# ------------------------------------------------------------------------------ primitives
+
+def _describe(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _integral(v: Any) -> Optional[int]:
+    """``v`` as a Python int if it is an exact integer (int, numpy integer scalar, 0-d integer
+    tensor or array; never a bool), else ``None``."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return int(v)
+    # numpy scalars / 0-d arrays / 0-d tensors, by duck typing so numpy and torch stay unimported
+    if getattr(v, "ndim", None) == 0 and hasattr(v, "tolist"):
+        x = v.tolist()
+        if isinstance(x, int) and not isinstance(x, bool):
+            return x
+    return None
+
+
+def check_int(v: Any, name: str, low: Optional[int] = 0, high: Optional[int] = INT64_MAX, *,
+              none_ok: bool = False, what: str = "") -> Optional[int]:
+    """``v`` as an ``int`` in ``[low, high]`` (``None`` passes with ``none_ok``).
+
+    Raises:
+        OptionTypeError: not an exact integer (bools, floats, strings, arrays refused).
+        ValueError: outside ``[low, high]``. Both messages start with ``name``.
+    """
+    if v is None and none_ok:
+        return None
+    x = _integral(v)
+    # a CLI flag ("--...") is left out rather than given None
+    expect = _int_range(low, high) + (" or None" if none_ok and not name.startswith("--") else "")
+    expect += f" ({what})" if what else ""
+    if x is None:
+        raise OptionTypeError(f"{name} must be {expect}, got {_describe(v)} of type {type(v).__name__}")
+    if (low is not None and x < low) or (high is not None and x > high):
+        raise ValueError(f"{name} must be {expect}, got {x}")
+    return x
+
+
+def _int_range(low, high) -> str:
+    if high is None:
+        return f"an integer >= {low}"
+    if high in (INT32_MAX, INT64_MAX, SEED_MAX):
+        hi = {INT32_MAX: "2**31 - 1", INT64_MAX: "2**63 - 1", SEED_MAX: "2**64 - 1"}[high]
+    else:
+        hi = str(high)
+    if low is None:
+        return f"an integer <= {hi}"
+    if low == INT64_MIN:
+        return f"an integer in [-2**63, {hi}]"
+    return f"an integer in [{low}, {hi}]"
+
+
+def check_float(v: Any, name: str, low: float, high: float, *, low_open: bool = False,
+                high_open: bool = False) -> float:
+    """``v`` (an int or a float, not a bool or a string) as a finite ``float`` in the interval
+    from ``low`` to ``high`` (open at either end as asked; ``math.inf`` for no bound).
+
+    Raises:
+        OptionTypeError: not a real number. ValueError: NaN, infinite, or outside the interval.
+    """
+    if math.isfinite(low) and math.isfinite(high):
+        expect = f"a finite number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif math.isfinite(low):
+        expect = f"a finite number {'>' if low_open else '>='} {low:g}"
+    elif math.isfinite(high):
+        expect = f"a finite number {'<' if high_open else '<='} {high:g}"
+    else:
+        expect = "a finite number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        # numpy floating scalars are floats (float64) or have ndim 0 and a float tolist()
+        x = v.tolist() if getattr(v, "ndim", None) == 0 and hasattr(v, "tolist") else None
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise OptionTypeError(f"{name} must be {expect}, got {_describe(v)} of type {type(v).__name__}")
+        v = x
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{name} must be {expect}, got {_describe(v)}") from None
+    ok = math.isfinite(f) and (f > low if low_open else f >= low) and (f < high if high_open else f <= high)
+    if not ok:
+        raise ValueError(f"{name} must be {expect}, got {_describe(v)}")
+    return f
+
+
+def check_bool(v: Any, name: str) -> bool:
+    """``v`` if it is a ``bool`` (``True`` / ``False`` only: no ints, no strings, no truthiness)."""
+    if not isinstance(v, bool):
+        raise OptionTypeError(f"{name} must be True or False, got {_describe(v)} of type {type(v).__name__}")
+    return v
+
+
+def check_choice(v: Any, name: str, choices: Iterable[Any]) -> Any:
+    """``v`` if it is one of ``choices`` (compared by type and value: ``1`` is not ``True``)."""
+    choices = tuple(choices)
+    if not any(type(v) is type(c) and v == c for c in choices):
+        shown = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {shown}, got {_describe(v)}")
+    return v
+
+
+def check_token_ids(v: Any, name: str = "eos_token_id") -> List[int]:
+    """``v`` as a list of token ids, each an integer in ``[0, 2**63 - 1]``.
+
+    Takes ``None`` (no ids), one id (an int, numpy integer or 0-d integer tensor), a list or tuple
+    of them, or a 1-D integer tensor / numpy array (taken as the list of its values).
+
+    Raises:
+        OptionTypeError: anything else (floats, strings, bools, 2-D arrays). ValueError: an id
+        out of range.
+    """
+    if v is None:
+        return []
+    expect = "token ids: an int or a list / 1-D integer tensor of ints in [0, 2**63 - 1]"
+    if isinstance(v, (list, tuple)):
+        vals = list(v)
+    elif getattr(v, "ndim", None) == 1 and hasattr(v, "tolist"):
+        vals = v.tolist()
+    elif getattr(v, "ndim", 0) not in (0, None):
+        raise OptionTypeError(f"{name} must be {expect}, got a {v.ndim}-D {type(v).__name__}")
+    else:
+        vals = [v]
+    out = []
+    for x in vals:
+        i = _integral(x)
+        if i is None:
+            raise OptionTypeError(f"{name} must be {expect}, got {_describe(x)} of type {type(x).__name__}")
+        if not 0 <= i <= INT64_MAX:
+            raise ValueError(f"{name} must be {expect}, got {i}")
+        out.append(i)
+    return out
+
+
+def check_seed(v: Any, name: str = "seed") -> int:
+    """A random seed: an integer in ``[-2**63, 2**64 - 1]`` (what ``torch.manual_seed`` takes)."""
+    return check_int(v, name, INT64_MIN, SEED_MAX)
+
+
+# ------------------------------------------------------------------------------ the option table
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its API name, default, kind (``"int"``, ``"float"``, ``"bool"``,
+    ``"choice"``, ``"gamma"``), range and what it means. ``low_open`` / ``high_open``: open ends
+    of a float interval; ``none_ok``: ``None`` allowed; ``cli``: the ``vegas generate`` flag."""
+
+    name: str
+    default: Any
+    kind: str
+    low: Any = None
+    high: Any = None
+    low_open: bool = False
+    high_open: bool = False
+    none_ok: bool = False
+    choices: Tuple[Any, ...] = ()
+    cli: Optional[str] = None
+    doc: str = ""
+
+    def check(self, v: Any, label: Optional[str] = None, *, choices: Optional[Iterable[Any]] = None) -> Any:
+        """``v`` validated (and normalized: numpy / 0-d tensor integers to ``int``); errors name
+        ``label`` (default the option's name)."""
+        name = label or self.name
+        if v is None and self.none_ok:
+            return None
+        if self.kind == "int":
+            return check_int(v, name, self.low, self.high, none_ok=self.none_ok)
+        if self.kind == "float":
+            return check_float(v, name, self.low, self.high, low_open=self.low_open, high_open=self.high_open)
+        if self.kind == "bool":
+            return check_bool(v, name)
+        if self.kind == "choice":
+            return check_choice(v, name, self.choices if choices is None else choices)
+        if self.kind == "gamma":
+            if isinstance(v, str) and v == "auto":
+                return v
+            if _integral(v) is None:
+                raise OptionTypeError(f"{name} must be 'auto' or {_int_range(self.low, self.high)}, got "
+                                      f"{_describe(v)} of type {type(v).__name__}")
+            return check_int(v, name, self.low, self.high, what="or 'auto'")
+        raise AssertionError(self.kind)
+
+
+def _opt(*a, **k) -> Option:
+    return Option(*a, **k)
+
+
+#: Every option of :func:`vegas_ext.generate` (and the ``vegas generate`` flag that sets it).
+OPTIONS: Dict[str, Option] = {o.name: o for o in (
+    _opt("max_new_tokens", None, "int", 0, INT64_MAX, cli="--max-new-tokens",
+         doc="new tokens per row (the CLI asks for >= 1)"),
+    _opt("num_speculative_tokens", "auto", "gamma", 0, INT64_MAX, cli="--num-speculative-tokens",
+         doc="drafts per iteration, γ: 'auto' or an int (0: plain steps; the CLI and vLLM ask for >= 1)"),
+    _opt("max_speculative_tokens", 8, "int", 1, INT64_MAX, cli="--max-speculative-tokens",
+         doc="the largest γ of 'auto'"),
+    _opt("draft_weights", None, "choice", choices=DRAFT_WEIGHTS,
+         doc="precision of the weights the draft steps read; None: the model's own"),
+    _opt("sparse_attn_algorithm", "vegas", "choice", choices=ALGORITHMS, cli="--algorithm",
+         doc="the draft's KV selection"),
+    _opt("sparse_attn_ratio", 0.05, "float", 0.0, 1.0, low_open=True, cli="--ratio",
+         doc="draft KV budget as a fraction of the context"),
+    _opt("sparse_attn_min_tokens", 256, "int", 0, INT32_MAX, cli="--min-tokens",
+         doc="lower clamp of the budget in tokens (int32: the budget in blocks is an int32 tensor)"),
+    _opt("sparse_attn_max_tokens", None, "int", 1, INT64_MAX, none_ok=True, cli="--max-tokens",
+         doc="upper clamp of the budget in tokens, >= max(1, sparse_attn_min_tokens); None: none"),
+    _opt("block_size", None, "int", 1, INT64_MAX, none_ok=True, cli="--block-size",
+         doc="tokens per KV selection block; None: DEFAULT_BLOCK_SIZE of the algorithm"),
+    _opt("num_sink_blocks", 1, "int", 0, INT32_MAX, cli="--sink-blocks",
+         doc="leading blocks always selected (attention sinks); the plugin's num_sink_pages"),
+    _opt("share_selection_across_heads", False, "bool", cli="--share-selection",
+         doc="one block set per layer instead of one per KV head"),
+    _opt("query_weights", "all", "choice", choices=QUERY_WEIGHTS, cli="--query-weights",
+         doc="verification queries that score blocks"),
+    _opt("selection_refresh_interval", 1, "int", 1, INT64_MAX, cli="--refresh-interval",
+         doc="re-select the draft blocks every n iterations"),
+    _opt("do_sample", False, "bool", cli="--do-sample", doc="speculative sampling instead of greedy"),
+    _opt("temperature", 1.0, "float", 0.0, math.inf, low_open=True, cli="--temperature",
+         doc="sampling temperature (range checked with do_sample)"),
+    _opt("top_k", 0, "int", 0, INT64_MAX, cli="--top-k", doc="top-k filter, 0 = off"),
+    _opt("top_p", 1.0, "float", 0.0, 1.0, low_open=True, cli="--top-p",
+         doc="nucleus filter (range checked with do_sample)"),
+    _opt("return_cache", False, "bool", doc="also return the KV cache"),
+)}
+
+
+def _label(name: str, labels: Optional[Mapping[str, str]]) -> str:
+    return (labels or {}).get(name, name)
+
+
+def _check(names: Iterable[str], values: Mapping[str, Any], labels, skip=()) -> Dict[str, Any]:
+    return {n: OPTIONS[n].check(values[n], _label(n, labels)) for n in names if n in values and n not in skip}
+
+
+# ------------------------------------------------------------------------------ option families
+# Each takes the options by their API names and returns them validated and normalized; ``labels``
+# maps an API name to the name the caller's user knows (a CLI flag, a vLLM option).
+
+def check_length(max_new_tokens: Any, labels: Optional[Mapping[str, str]] = None) -> int:
+    """``max_new_tokens``: an int in ``[0, 2**63 - 1]``."""
+    return OPTIONS["max_new_tokens"].check(max_new_tokens, _label("max_new_tokens", labels))
+
+
+def check_speculation(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """``num_speculative_tokens`` ('auto' or an int >= 0), ``max_speculative_tokens`` (>= 1) and
+    ``draft_weights`` (one of :data:`DRAFT_WEIGHTS`), those of them in ``values``."""
+    return _check(("num_speculative_tokens", "max_speculative_tokens", "draft_weights"), values, labels)
+
+
+def check_budget(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The draft's KV budget: ``sparse_attn_ratio`` in ``(0, 1]``, ``sparse_attn_min_tokens`` in
+    ``[0, 2**31 - 1]``, ``sparse_attn_max_tokens`` ``None`` or ``>= max(1, min_tokens)``,
+    ``block_size`` ``None`` or ``>= 1``, ``num_sink_blocks`` in ``[0, 2**31 - 1]`` (those present)."""
+    out = _check(("sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size",
+                  "num_sink_blocks"), values, labels)
+    mx, mn = out.get("sparse_attn_max_tokens"), out.get("sparse_attn_min_tokens", 0)
+    if mx is not None and mx < max(1, mn):
+        name = _label("sparse_attn_max_tokens", labels)
+        raise ValueError(f"{name} must be {'' if name.startswith('--') else 'None or '}an integer >= "
+                         f"max(1, {_label('sparse_attn_min_tokens', labels)}) = {max(1, mn)}, got {mx}")
+    return out
+
+
+def check_selection(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None,
+                    algorithms: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+    """``sparse_attn_algorithm`` (one of ``algorithms``, default :data:`ALGORITHMS`),
+    ``share_selection_across_heads`` (bool), ``query_weights`` (one of :data:`QUERY_WEIGHTS`),
+    ``selection_refresh_interval`` (>= 1), those present."""
+    out = _check(("share_selection_across_heads", "query_weights", "selection_refresh_interval"), values, labels)
+    if "sparse_attn_algorithm" in values:
+        name = _label("sparse_attn_algorithm", labels)
+        out["sparse_attn_algorithm"] = OPTIONS["sparse_attn_algorithm"].check(
+            values["sparse_attn_algorithm"], name, choices=sorted(algorithms) if algorithms is not None else None)
+    return out
+
+
+def check_sampling(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """``do_sample`` (bool), ``temperature`` (a finite number, > 0 when sampling), ``top_k``
+    (an int >= 0), ``top_p`` (a number, in ``(0, 1]`` when sampling), those present. Types are
+    always checked; the ranges of ``temperature`` and ``top_p`` only when ``do_sample`` (greedy
+    ignores them, as HF's ``generate`` does)."""
+    out = _check(("do_sample", "top_k"), values, labels)
+    sampling = out.get("do_sample", False)
+    for n in ("temperature", "top_p"):
+        if n not in values:
+            continue
+        if sampling:
+            out[n] = OPTIONS[n].check(values[n], _label(n, labels))
+        else:  # type only
+            out[n] = check_float(values[n], _label(n, labels), -math.inf, math.inf)
+    return out
+
+
+def check_generate_options(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None,
+                           algorithms: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+    """Every option family over ``values`` (API names; absent ones are skipped): the options
+    validated and normalized, in one dict. ``algorithms``: the accepted ``sparse_attn_algorithm``
+    names (the decode loop passes its registry)."""
+    out: Dict[str, Any] = {}
+    if "max_new_tokens" in values:
+        out["max_new_tokens"] = check_length(values["max_new_tokens"], labels)
+    out.update(check_selection(values, labels, algorithms))
+    out.update(check_speculation(values, labels))
+    out.update(check_budget(values, labels))
+    out.update(check_sampling(values, labels))
+    if "return_cache" in values:
+        out["return_cache"] = OPTIONS["return_cache"].check(values["return_cache"], _label("return_cache", labels))
+    return out
+
+
+# ------------------------------------------------------------------------------ the budget
+
+def budget_blocks(context_len: Any, ratio: float, min_tokens: int, max_tokens: Optional[int], block_size: int):
+    """Blocks in the draft's KV budget, sinks included, the tail not:
+    ``ceil(clamp(ceil(ratio * context_len), min_tokens, max_tokens) / block_size)``.
+
+    The one budget formula of the decode loop (``block_size`` tokens per block) and the vLLM
+    plugin (its pages: vLLM's KV cache blocks).
+
+    Args:
+        context_len: an ``int`` (or a numpy / 0-d tensor integer), or an integer tensor ``[B]``
+            (torch is not imported here: the tensor's own methods compute it, in float64).
+        ratio, min_tokens, max_tokens: the budget in tokens (``max_tokens`` ``None``: no cap).
+        block_size: tokens per block (>= 1).
+
+    Returns:
+        an ``int``, or an int32 tensor ``[B]`` for a tensor ``context_len``.
+    """
+    if getattr(context_len, "ndim", 0) == 0:  # an int (numpy and 0-d tensor integers too)
+        n = _integral(context_len)
+        if n is None:
+            raise OptionTypeError(
+                f"context_len must be an integer or an integer tensor [B], got {_describe(context_len)}")
+        tok = max(math.ceil(n * ratio), min_tokens)
+        if max_tokens is not None:
+            tok = min(tok, max_tokens)
+        return -(-tok // block_size)
+    tok = (context_len.double() * ratio).ceil().clamp(min=min_tokens)
+    if max_tokens is not None:
+        tok = tok.clamp(max=max_tokens)
+    return (tok / block_size).ceil().int()

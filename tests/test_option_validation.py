@@ -1,0 +1,312 @@
+"""One validation of every option (vegas_ext.config) for generate(), the CLI and the vLLM options:
+each bad value gets an error naming the argument and what was expected, before any heavy work;
+types are checked, not coerced (handed case 010)."""
+import io
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import vegas_ext
+from vegas_ext import cli, config, decode
+from vegas_ext.vllm import VegasOptions, speculative_config
+
+from decode_utils import make_model, make_prompts
+
+
+@pytest.fixture(scope="module")
+def case():
+    model = make_model("llama")
+    ids, mask = make_prompts(256, [20, 12])
+    return model, ids, mask
+
+
+def _gen(case, **kw):
+    model, ids, mask = case
+    mask = kw.pop("attention_mask", mask)
+    ids = kw.pop("input_ids", ids)
+    kw.setdefault("max_new_tokens", 3)
+    return vegas_ext.generate(model, ids, mask, **kw)
+
+
+# ------------------------------------------------------------------ case 010, the API: each item
+NAN = float("nan")
+TYPE, RANGE = TypeError, ValueError
+API_CASES = {
+    # errors that did not name the argument
+    "max_tokens_nan": (dict(sparse_attn_max_tokens=NAN), TYPE, "sparse_attn_max_tokens"),
+    "min_tokens_nan": (dict(sparse_attn_min_tokens=NAN), TYPE, "sparse_attn_min_tokens"),
+    "min_tokens_huge": (dict(sparse_attn_min_tokens=10**30), RANGE, "sparse_attn_min_tokens"),
+    "max_tokens_huge": (dict(sparse_attn_max_tokens=10**30), RANGE, "sparse_attn_max_tokens"),
+    "eos_huge": (dict(eos_token_id=2**70), RANGE, "eos_token_id"),
+    "pad_huge": (dict(pad_token_id=2**70), RANGE, "pad_token_id"),
+    "sinks_huge": (dict(num_sink_blocks=2**63), RANGE, "num_sink_blocks"),
+    "mask_list": (dict(attention_mask="tolist"), TYPE, "attention_mask"),
+    "prefill_cache_foreign": (dict(prefill_cache={"ids": 5}), TYPE, r"prefill_cache\['ids'\]"),
+    # accepted silently before
+    "share_no": (dict(share_selection_across_heads="no"), TYPE, "share_selection_across_heads"),
+    "max_new_true": (dict(max_new_tokens=True), TYPE, "max_new_tokens"),
+    "top_k_float": (dict(top_k=1.5), TYPE, "top_k"),
+    "ratio_str": (dict(sparse_attn_ratio="0.5"), TYPE, "sparse_attn_ratio"),
+    "eos_float_tensor": (dict(eos_token_id=torch.tensor([2.7])), TYPE, "eos_token_id"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(API_CASES))
+def test_case_010_api(case, name):
+    kw, kind, needle = API_CASES[name]
+    if kw.get("attention_mask") == "tolist":
+        kw = dict(kw, attention_mask=case[2].tolist())
+    with pytest.raises(kind, match=needle) as e:
+        _gen(case, **kw)
+    assert isinstance(e.value, ValueError)  # type errors are ValueErrors too (callers catch those)
+    assert str(e.value).startswith(needle.replace("\\", "")), str(e.value)
+
+
+def test_case_010_eos_numpy_array_is_a_list_of_ids(case):
+    """A 1-D integer array is taken as the list of its ids, deliberately."""
+    want = _gen(case, eos_token_id=[2, 3], max_new_tokens=4).sequences
+    assert torch.equal(_gen(case, eos_token_id=np.array([2, 3]), max_new_tokens=4).sequences, want)
+    assert torch.equal(_gen(case, eos_token_id=torch.tensor([2, 3]), max_new_tokens=4).sequences, want)
+    with pytest.raises(TypeError, match="eos_token_id"):
+        _gen(case, eos_token_id=np.array([[2, 3]]))
+
+
+def test_case_010_token_ids_beyond_the_vocabulary(case):
+    model, ids, mask = case
+    bad = ids.clone()
+    bad[0, -1] = model.config.vocab_size
+    with pytest.raises(ValueError, match=r"input_ids must be token ids in \[0, 256\).*got 256"):
+        _gen(case, input_ids=bad)
+    bad[0, -1] = -1
+    with pytest.raises(ValueError, match="input_ids.*got -1"):
+        _gen(case, input_ids=bad)
+    ok = ids.clone()
+    ok[1, 0] = 10**6  # under the padding: never embedded
+    assert torch.equal(_gen(case, input_ids=ok).sequences[:, ids.shape[1]:], _gen(case).sequences[:, ids.shape[1]:])
+
+
+def test_case_010_float64_model_refused_before_the_prefill():
+    model = make_model("llama").double()
+    ids, mask = make_prompts(256, [20, 12])
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="model dtype float64 is not supported"):
+        vegas_ext.generate(model, ids, mask, max_new_tokens=3)
+    assert calls == []  # no forward ran
+
+
+# ------------------------------------------------------------------ the whole kind, from the table
+INT_OPTIONS = [n for n, o in config.OPTIONS.items() if o.kind in ("int", "gamma")]
+FLOAT_OPTIONS = [n for n, o in config.OPTIONS.items() if o.kind == "float"]
+BOOL_OPTIONS = [n for n, o in config.OPTIONS.items() if o.kind == "bool"]
+
+
+@pytest.mark.parametrize("name", INT_OPTIONS)
+@pytest.mark.parametrize("value, kind", [(True, TYPE), (2.0, TYPE), ("3", TYPE), (NAN, TYPE),
+                                         (torch.tensor(3.0), TYPE), (np.float64(3), TYPE), (2**64, RANGE),
+                                         (-(2**64), RANGE)])
+def test_every_integer_option_checks_type_and_int64(case, name, value, kind):
+    with pytest.raises(kind, match=f"^{name} must be"):
+        _gen(case, **{name: value})
+
+
+@pytest.mark.parametrize("name", FLOAT_OPTIONS)
+@pytest.mark.parametrize("value, kind", [(NAN, RANGE), (math.inf, RANGE), (-math.inf, RANGE), ("0.5", TYPE),
+                                         (True, TYPE), (None, TYPE), (torch.ones(2), TYPE)])
+def test_every_float_option_checks_type_and_finiteness(case, name, value, kind):
+    with pytest.raises(kind, match=f"^{name} must be a finite number"):
+        _gen(case, do_sample=True, **{name: value})
+
+
+@pytest.mark.parametrize("name", BOOL_OPTIONS)
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, np.bool_(True)])
+def test_every_bool_option_takes_only_true_or_false(case, name, value):
+    with pytest.raises(TypeError, match=f"^{name} must be True or False"):
+        _gen(case, **{name: value})
+
+
+def test_exact_integers_of_numpy_and_torch_are_accepted(case):
+    want = _gen(case, max_new_tokens=4, top_k=0, num_speculative_tokens=2)
+    for conv in (np.int64, np.int32, torch.tensor):
+        out = _gen(case, max_new_tokens=conv(4), top_k=conv(0), num_speculative_tokens=conv(2),
+                   num_sink_blocks=conv(1), sparse_attn_min_tokens=conv(256))
+        assert torch.equal(out.sequences, want.sequences)
+        assert out.stats["max_new_tokens"] == 4 and type(out.stats["top_k"]) is int
+
+
+def test_int32_bounds_where_the_kernels_take_int32(case):
+    top = 2**31 - 1  # the largest accepted values run (budget covers everything: exact drafting)
+    out = _gen(case, sparse_attn_min_tokens=top, num_sink_blocks=top, eos_token_id=[])
+    assert torch.equal(out.sequences, _gen(case, sparse_attn_algorithm="full", eos_token_id=[]).sequences)
+    for name in ("sparse_attn_min_tokens", "num_sink_blocks"):
+        with pytest.raises(ValueError, match=rf"^{name} must be an integer in \[0, 2\*\*31 - 1\], got 2147483648"):
+            _gen(case, **{name: top + 1})
+
+
+def test_unknown_algorithm_lists_the_registry(case):
+    with pytest.raises(ValueError, match="sparse_attn_algorithm must be one of .*'vegas'.*got 'magic'"):
+        _gen(case, sparse_attn_algorithm="magic")
+
+
+# ------------------------------------------------------------------ fuzz: a clear error or success
+class _Reached(Exception):
+    """Raised in place of the prefill: every check passed."""
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 40),
+                 st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["auto", "vegas", "0.5", "no", "all"]),
+                 st.lists(st.integers(0, 300), max_size=2))
+_FUZZED = [n for n in config.OPTIONS if n not in ("return_cache", "draft_weights")] + ["eos_token_id", "pad_token_id"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.dictionaries(st.sampled_from(_FUZZED), _ANY, min_size=1, max_size=4))
+def test_fuzz_generate_options(case, monkeypatch, kw):
+    monkeypatch.setattr(decode, "prefill", _stop)
+    try:
+        _gen(case, **kw)
+    except _Reached:  # accepted: then each value had an accepted type
+        for k, v in kw.items():
+            o = config.OPTIONS.get(k)
+            kind = o.kind if o else "ids"
+            if kind in ("int", "ids") and v is not None:
+                assert isinstance(v, (int, list)) and not isinstance(v, bool), (k, v)
+            if kind == "float":
+                assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), (k, v)
+            if kind == "bool":
+                assert isinstance(v, bool), (k, v)
+    except (TypeError, ValueError) as e:  # a clear error: it starts with one of the options given
+        msg = str(e)
+        assert any(msg.startswith(k + " ") or msg.startswith(k + "[") or msg.startswith(f"model.{k}")
+                   for k in kw), (kw, msg)
+
+
+def _stop(*a, **k):
+    raise _Reached
+
+
+# ------------------------------------------------------------------ the vLLM options, same checks
+@pytest.mark.parametrize("kw, needle", [
+    (dict(sparse_attn_min_tokens=NAN), "sparse_attn_min_tokens"),
+    (dict(sparse_attn_min_tokens=10**30), "sparse_attn_min_tokens"),
+    (dict(sparse_attn_ratio="0.5"), "sparse_attn_ratio"),
+    (dict(sparse_attn_ratio=True), "sparse_attn_ratio"),
+    (dict(num_sink_pages=2**63), "num_sink_pages"),
+    (dict(num_sink_pages=1.0), "num_sink_pages"),
+    (dict(num_speculative_tokens=2**64), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=np.float64(4)), "num_speculative_tokens"),
+])
+def test_vllm_options_share_the_checks(kw, needle):
+    with pytest.raises(ValueError, match=f"^vegas_ext.vllm: {needle} must be"):
+        speculative_config(**kw)
+
+
+def test_vllm_budget_is_the_loop_budget():
+    from vegas_ext.selection import SelectionConfig, budget_blocks
+
+    lens = torch.tensor([1, 100, 999, 5000, 8000, 123457])
+    for ratio, mn, mx, bs in [(0.05, 256, None, 32), (0.1, 0, 300, 16), (1.0, 1, None, 1), (0.3, 7, 9, 5)]:
+        o = VegasOptions(sparse_attn_ratio=ratio, sparse_attn_min_tokens=mn, sparse_attn_max_tokens=mx)
+        loop = budget_blocks(lens, SelectionConfig(ratio=ratio, min_tokens=mn, max_tokens=mx, block_size=bs))
+        assert loop.dtype == torch.int32
+        assert loop.tolist() == [o.budget_pages(int(n), bs) for n in lens]
+
+
+def test_lists_are_defined_once():
+    from vegas_ext import hf, selection
+    from vegas_ext.vllm import options
+
+    assert hf.SUPPORTED_MODEL_TYPES is config.SUPPORTED_MODEL_TYPES is options.SUPPORTED_MODEL_TYPES
+    assert cli.ALGORITHMS is config.ALGORITHMS and options.ALGORITHMS is config.VLLM_ALGORITHMS
+    public = {n: c for n, c in selection.SELECTION_ALGORITHMS.items() if not n.startswith("_")}
+    assert sorted(public) == sorted(config.ALGORITHMS)
+    assert {n: c.default_block_size for n, c in public.items()} == dict(config.DEFAULT_BLOCK_SIZE)
+    assert set(config.VLLM_ALGORITHMS) <= set(config.ALGORITHMS)
+
+
+def test_config_imports_only_the_standard_library():
+    code = ("import sys; import vegas_ext.config, vegas_ext.cli; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+# ------------------------------------------------------------------ case 010, the CLI: each item
+def _env():
+    src = os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))
+    return dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+
+
+_NO_MODEL = ["--model", "/nonexistent/vegas-test-model"]  # never reached when the flags are checked first
+CLI_CASES = {
+    "seed_huge": (["--seed", "99999999999999999999999", "--do-sample"], "--seed must be an integer"),
+    "min_tokens_huge": (["--min-tokens", "99999999999999999999"], "--min-tokens must be an integer"),
+    "max_tokens_huge": (["--max-tokens", "99999999999999999999"], "--max-tokens must be an integer"),
+    "max_new_tokens_huge": (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens must be an integer"),
+    "sink_blocks_huge": (["--sink-blocks", "99999999999999999999"], "--sink-blocks must be an integer"),
+    "gamma_huge": (["--num-speculative-tokens", "99999999999999999999"], "--num-speculative-tokens must be an integer"),
+    "max_gamma_huge": (["--max-speculative-tokens", "99999999999999999999"], "--max-speculative-tokens must be"),
+    "block_size_huge": (["--block-size", "99999999999999999999"], "--block-size must be an integer"),
+    "refresh_huge": (["--refresh-interval", "99999999999999999999"], "--refresh-interval must be an integer"),
+    "top_k_huge": (["--top-k", "99999999999999999999"], "--top-k must be an integer"),
+    "batch_huge": (["--batch-size", "99999999999999999999"], "--batch-size must be an integer"),
+    "temperature_inf": (["--do-sample", "--temperature", "inf"], "--temperature must be a finite number > 0"),
+    "ratio_inf": (["--ratio", "inf"], "--ratio must be a finite number"),
+    "max_below_min": (["--max-tokens", "10"], "--max-tokens must be an integer >= max(1, --min-tokens) = 256"),
+}
+
+
+def _run_cli(argv, capsys):
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line_error(rc, out, err):
+    assert rc == 2 and out == "", (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vegas: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(CLI_CASES))
+def test_case_010_cli_numbers(name, capsys):
+    flags, needle = CLI_CASES[name]
+    rc, out, err = _run_cli(["generate", "--prompt", "hi", *_NO_MODEL, *flags], capsys)
+    assert needle in _one_line_error(rc, out, err)
+
+
+def test_case_010_cli_prompt_file_is_a_directory(tmp_path, capsys):
+    rc, out, err = _run_cli(["generate", "--prompt-file", str(tmp_path), *_NO_MODEL], capsys)
+    assert "is a directory" in _one_line_error(rc, out, err)
+
+
+def test_case_010_cli_non_utf8_stdin(monkeypatch, capsys):
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff\xfe"), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    rc, out, err = _run_cli(["generate", "--prompt-file", "-", *_NO_MODEL], capsys)
+    assert "stdin is not UTF-8 text" in _one_line_error(rc, out, err)
+
+
+def test_case_010_cli_stdin_real_process(tmp_path):
+    """The real process: bytes on stdin, one error line, exit 2; UTF-8 with CRLF reads as text mode did."""
+    argv = [sys.executable, "-m", "vegas_ext", "generate", "--prompt-file", "-", *_NO_MODEL]
+    r = subprocess.run(argv, input=b"\xff\xfe\x00bad", capture_output=True, env=_env(), timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("vegas: error: --prompt-file -: stdin is not UTF-8 text"), err
+    monkey = io.TextIOWrapper(io.BytesIO("a\r\nb \u00e9\n".encode()), encoding="utf-8")
+    old, sys.stdin = sys.stdin, monkey
+    try:
+        assert cli._read_stdin() == "a\nb \u00e9\n"
+    finally:
+        sys.stdin = old
