@@ -523,6 +523,16 @@ def _ulp(x: float, dtype) -> float:
     return eps * 2.0 ** math.floor(math.log2(ax))
 
 
+def near_tie_tolerance(scale: float, dtype) -> float:
+    """The largest gap between two target logits (in logits) that is a near-tie: rounding may
+    order them either way. ``scale``: ``|h| * max(|w_a|, |w_b|)``, the norms of the output layer's
+    input and of the two tokens' rows; ``dtype``: the model's (``torch.float32`` ...). Returns
+    ``NEAR_TIE_EPS * eps(dtype) * scale`` (see :data:`NEAR_TIE_EPS`)."""
+    import torch
+
+    return NEAR_TIE_EPS * torch.finfo(dtype).eps * float(scale)
+
+
 def first_difference(ours: List[List[int]], base: List[List[int]], recorder: Optional[_ChosenLogits],
                      dtype) -> Optional[Dict[str, Any]]:
     """Where our greedy tokens first differ from plain greedy decoding's, and why.
@@ -563,8 +573,8 @@ def first_difference(ours: List[List[int]], base: List[List[int]], recorder: Opt
         ulp = _ulp(max(abs(lb), abs(lo)), dtype)
         d.update(logit_ours=lo, logit_baseline=lb, abs_delta_logit=gap, ulps=gap / ulp)
         if scale is not None and scale > 0 and math.isfinite(scale):
-            unit = torch.finfo(dtype).eps * scale
-            d.update(eps_units=gap / unit, tolerance=NEAR_TIE_EPS * unit, near_tie=gap <= NEAR_TIE_EPS * unit)
+            tol = near_tie_tolerance(scale, dtype)
+            d.update(eps_units=gap / (torch.finfo(dtype).eps * scale), tolerance=tol, near_tie=gap <= tol)
         else:
             d.update(tolerance=NEAR_TIE_ULPS * ulp, near_tie=gap <= NEAR_TIE_ULPS * ulp)
     return d
