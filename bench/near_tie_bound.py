@@ -133,6 +133,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm", action="store_true", help="also the embedded SmolLM2-135M (slow)")
     ap.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--wide", action="store_true", help="tiny models: 3 seeds x 2 and 6 layers x gamma 2, 5")
+    ap.add_argument("--smollm-len", type=int, default=600, help="SmolLM2 prompt tokens (of the embedded document)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -148,7 +150,23 @@ def main():
                         f"= {d['ulps_at_scale']:.1f} ulp(scale) = {d['rel']:.3f} eps|h||w|" for d in res["diffs"]), flush=True)
         results.append(res)
 
-    if args.tiny:
+    if args.wide:
+        for fam in FAMILIES:
+            for init in (0.02, 0.15):
+                for layers in (2, 6):
+                    for seed in range(3):
+                        for g in (2, 5):
+                            m = make_model(fam, seed=10 + seed, initializer_range=init, num_hidden_layers=layers)
+                            ids, mask = make_prompts(m.config.vocab_size, [400, 64, 200], seed=seed)
+                            kw = dict(num_speculative_tokens=g, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
+                            show(measure(m, ids, mask, 16, kw, torch.float32,
+                                         f"{fam} init {init} L{layers} s{seed} g{g}"))
+        for s_ in range(6):
+            m = make_model("llama", seed=0)
+            near_tied_lm_head(m, 2e-6)
+            ids, mask = make_prompts(256, [80, 60], seed=s_)
+            show(measure(m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32, f"case009 dense seed {s_}"))
+    if args.tiny and not args.wide:
         for fam in FAMILIES:
             for init in (0.02, 0.15):
                 for g in (1, 4, 8):
@@ -179,7 +197,7 @@ def main():
             m, tok = models.load_model(None, dtype=dt)
             doc = documents.default_document()
             text = doc if isinstance(doc, str) else "The quick brown fox jumps over the lazy dog. " * 40
-            ids = torch.tensor([tok(text).input_ids[:600]])
+            ids = torch.tensor([tok(text).input_ids[:args.smollm_len]])
             mask = torch.ones_like(ids)
             show(measure(m, ids, mask, 32, dict(num_speculative_tokens=4, sparse_attn_ratio=0.1), dt,
                          f"smollm2 {dt}{' packed' if pack else ''}", pack))

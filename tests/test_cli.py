@@ -444,7 +444,7 @@ def test_greedy_equal_up_to_near_ties(i, dtype, contract_models, capsys):
     assert len(d["token_ids"][0]) == 24 and len(d["baseline_token_ids"][0]) == 24
     if not d["identical"]:
         f = d["first_difference"]
-        assert f["near_tie"] is True and f["eps_units"] <= cli.NEAR_TIE_EPS, f
+        assert f["near_tie"] is True and f["eps_units"] <= f["eps_bound"] == cli.NEAR_TIE_EPS[dtype], f
         t = f["token"]
         assert d["token_ids"][f["row"]][:t] == d["baseline_token_ids"][f["row"]][:t]
     else:
@@ -514,7 +514,7 @@ def test_compare_reports_a_near_tie(tiny_model_dir, tmp_path, capsys, monkeypatc
     # 1-3.5 ulps by construction (see _tie_model); |h| |w| is at least |logit_a|, so < 4 eps units
     assert 1 <= f["ulps"] <= 3.5 and 0 < f["eps_units"] < 4 and f["near_tie"] is True
     assert f["abs_delta_logit"] == pytest.approx(f["logit_baseline"] - f["logit_ours"])
-    assert f["tolerance"] == pytest.approx(cli.NEAR_TIE_EPS * f["abs_delta_logit"] / f["eps_units"])
+    assert f["tolerance"] == pytest.approx(16 * f["abs_delta_logit"] / f["eps_units"]) and f["eps_bound"] == 16
     rc, out, err = run_cli(argv, capsys)
     line = next(l for l in err.splitlines() if l.startswith("identical"))
     assert re.search(r"differs at token 0 \(near-tie, \|Δlogit\| = \S+ = [0-9.]+ float32 ulp = [0-9.]+ "
