@@ -587,13 +587,13 @@ def generate(
     (other matrix shapes, the extension's attention kernel), which rounds differently from plain
     decoding's one-token forwards, so at a gap of at most ``k * eps * |h| * max(|w_a|, |w_b|)``
     (``eps`` of the dtype; ``h`` the final hidden state, ``w`` the two tokens' output-layer rows;
-    ``k`` = 64 in float32, 4 in bfloat16 / float16, :func:`vegas_ext.cli.near_tie_tolerance`) the
-    two can pick different tokens, and the texts differ from there on. The bound is empirical (the
-    largest rounding difference measured was 19 units in float32, on ill-conditioned random models;
-    3.2 on SmolLM2-135M; see docs/lossless.md); which token wins such a near-tie depends on the
-    CPU and its BLAS, and HF's own ``generate`` also picks differently there with and without its
-    KV cache. The float32 differences seen were at gaps of 0-4 ulps of the logit, on constructed
-    near-ties. Sampled output (``do_sample=True``) follows the target distribution (speculative
+    ``k`` = 64 in float32, 8 in bfloat16 / float16, :func:`vegas_ext.cli.near_tie_tolerance`) the
+    two can pick different tokens, and the texts differ from there on. The bound is empirical, about
+    3x the largest rounding difference measured (float32: 19 units on ill-conditioned random
+    models, 3.15 on SmolLM2-135M; half precision: 2.9 and 0.44; docs/lossless.md). Which token wins
+    a near-tie depends on the CPU and its BLAS; HF's own ``generate`` also picks differently there
+    with and without its KV cache. The float32 differences seen were at gaps of 0-8 ulps of the
+    logit (at most 0.53 units), on constructed near-ties. Sampled output (``do_sample=True``) follows the target distribution (speculative
     sampling). ``vegas generate --compare`` names the first differing token, the gap between the
     two tokens' target logits there (in ulps and in those units) and whether it is a near-tie.
     Works on batches whose rows have different prompt lengths (left padding), each row accepting
