@@ -552,9 +552,8 @@ def first_difference(ours: List[List[int]], base: List[List[int]], recorder: Opt
     ``eps(dtype) * |h| * max(|w_ours|, |w_baseline|)``, the rounding scale of the two logits; None
     when the output layer's input was not seen), ``tolerance`` (the largest gap that counts as a
     near-tie there, in logits), ``eps_bound`` (:func:`near_tie_eps` of ``dtype``) and ``near_tie``
-    (``eps_units <= eps_bound``, or without
-    ``eps_units`` ``ulps <=`` :data:`NEAR_TIE_ULPS`). A row that merely ends earlier (EOS) counts
-    as a difference at its end.
+    (``eps_units <= eps_bound``; without ``eps_units``, ``ulps <=`` :data:`NEAR_TIE_ULPS`). A row
+    that merely ends earlier (EOS) counts as a difference at its end.
     """
     import torch
 
