@@ -194,6 +194,9 @@ def main():
                 m = cached_model(fam)
                 ids, mask = make_prompts(m.config.vocab_size, lengths, seed=batch)
                 print(f"test_decode _case({fam}, {batch}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
+            m = make_model(fam)  # test_packed_linear.test_packed_model_decodes_losslessly
+            ids, mask = make_prompts(m.config.vocab_size, [40, 57, 23])
+            print(f"test_packed_linear ({fam}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
         import tempfile
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
