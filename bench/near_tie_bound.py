@@ -1,17 +1,24 @@
 """How far apart two logits can be and still be ordered differently by Vegas's verification and by
-plain greedy decoding's one-token step (fp32 / bf16), measured; the numbers behind docs/lossless.md.
+plain greedy decoding's one-token step; the numbers behind docs/lossless.md and the near-tie bound
+of ``vegas_ext.cli`` (``NEAR_TIE_EPS``).
 
 For every emitted position whose prefix is the same in both runs (each row up to and including its
 first difference from HF ``generate``), compares the logits our loop decided on (the prefill's last
 row, or column j of a verification forward whose first j drafts were accepted) with the logits of
 HF's own step at that position (``output_logits``). With ``d = ours - hf`` over the vocabulary,
 two tokens can be ordered differently only if HF's gap between them is at most
-``spread = max(d) - min(d)``; this reports ``spread`` and ``max|d|`` in absolute terms and in ulps
-of the row's largest |logit| (``scale``), the largest spread per configuration, and every first
-difference with HF's gap between the two tokens there (in ulps of the larger of the two, the
-CLI's ``--compare`` measure, and of ``scale``).
+``spread = max(d) - min(d)``. Prints per configuration the largest spread in ulps of the row's
+largest |logit| and ("rel") the largest ``|d_t - d_top|`` in units of ``eps |h| max(|w_t|, |w_top|)``
+(``h`` the output layer's input, ``w`` its rows: the unit of the near-tie bound), and every first
+difference with HF's gap there (ulps at the larger logit, ulps of the row scale, units).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=python python bench/near_tie_bound.py [--smollm] [--json out.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=python python bench/near_tie_bound.py            # tiny models
+    ... --no-tiny --wide | --wide-half | --smollm [--smollm-len N] | --audit-tests  [--json out.json]
+
+``--audit-tests`` prints the smallest top-2 gap (same units) of the HF references of the tests
+that assert exact equality: far above the bound, their result does not depend on the CPU.
+Forced narrower instruction sets: VEGAS_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2.
 """
 from __future__ import annotations
 
