@@ -482,11 +482,10 @@ class _ChosenLogits:
         with torch.no_grad():
             self._w_norm = w.detach().float().norm(dim=1)
 
-        def grab(module, args):
+        def grab(module, args):  # inputs unchanged (returns None)
             x = args[0] if args else None
-            if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
                 self._h = x[:, -1] if x.dim() == 3 else x
-            return None
 
         self._hook = head.register_forward_pre_hook(grab)
 
