@@ -436,43 +436,51 @@ def _contract_run(folder, dtype, capsys):
     return json.loads(out)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("i", range(len(CONTRACT_CONFIGS)))
-def test_float32_greedy_is_token_for_token(i, contract_models, capsys):
-    d = _contract_run(contract_models[i], "float32", capsys)
-    assert d["identical"] is True, d["first_difference"]
-    assert d["token_ids"] == d["baseline_token_ids"] and len(d["token_ids"][0]) == 24
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("i", range(len(CONTRACT_CONFIGS)))
-def test_half_precision_greedy_equal_up_to_near_ties(i, dtype, contract_models, capsys):
-    """bf16 / fp16: identical, or the first difference is a near-tie of the target's logits."""
+def test_greedy_equal_up_to_near_ties(i, dtype, contract_models, capsys):
+    """Every dtype: identical to plain greedy, or the first difference is a near-tie of the
+    target's logits (where rounding decides, which depends on the CPU: so does whether there is
+    one; on the Intel AVX-512 machine measured these runs were identical in float32)."""
     d = _contract_run(contract_models[i], dtype, capsys)
+    assert len(d["token_ids"][0]) == 24 and len(d["baseline_token_ids"][0]) == 24
     if not d["identical"]:
         f = d["first_difference"]
-        assert f["near_tie"] is True and f["ulps"] <= cli.NEAR_TIE_ULPS, f
+        assert f["near_tie"] is True and f["eps_units"] <= f["eps_bound"] == cli.NEAR_TIE_EPS[dtype], f
+        t = f["token"]
+        assert d["token_ids"][f["row"]][:t] == d["baseline_token_ids"][f["row"]][:t]
+    else:
+        assert d["token_ids"] == d["baseline_token_ids"] and d["first_difference"] is None
 
 
 def _tie_model(tiny_model_dir, tmp_path):
-    """The tiny model with two lm_head rows made equal: tokens a and b then tie up to the GEMM's
-    rounding (the BLAS may compute the two columns in different blockings: 2.4e-7 apart, a few
-    ulps, with MKL on an AMD EPYC), and plain greedy's first token is a (the higher logit, or the
-    lower index on an exact tie)."""
+    """The tiny model made so that tokens a and b are 1-3.5 float32 ulps apart at the first new
+    token, with a winner (a) that no rounding can change, on any CPU or BLAS: the final norm keeps
+    one hidden component j (the others are multiplied by 0), so every logit is the one rounded
+    product ``h_j * w_t[j]`` plus exact zeros, in any summation order; ``w_a[j] = 2 sign(h_j)``
+    (an exact product) and ``w_b[j]`` is 3 ulps nearer zero, so ``logit_b`` is at least one ulp
+    below ``logit_a``, and every other token's ``|w_t[j]| <= 1`` is far below both. Returns
+    ``(folder, a, b, worst)``, ``worst`` the token with the lowest logit."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.tensor([tok("the man said to miss bennet").input_ids])
     with torch.no_grad():
+        h = m.model(ids).last_hidden_state[0, -1]
+        j = int(h.abs().argmax())
+        s = 1.0 if float(h[j]) > 0 else -1.0
+        keep = torch.zeros_like(m.model.norm.weight)
+        keep[j] = 1.0
+        m.model.norm.weight.mul_(keep)
+        w = m.lm_head.weight
+        w[:, j].clamp_(-1.0, 1.0)
+        a, b = 7, len(tok) - 1  # any two ids; b is a higher index than a
+        w[a, j] = 2.0 * s
+        w[b, j] = s * (2.0 - 3 * 2.0 ** -23)  # 3 float32 ulps below 2
         logits = m(ids).logits[0, -1]
-        order = logits.argsort(descending=True).tolist()
-        a = order[0]
-        b = max(t for t in range(len(tok)) if t != a)  # a higher index than a
-        m.lm_head.weight[b].copy_(m.lm_head.weight[a])
-        tied = m(ids).logits[0, -1]
-        worst = int(tied.argmin())
-        if tied[b] > tied[a]:  # rounding put b ahead: greedy's first token is b
-            a, b = b, a
+        worst = int(logits.argmin())
+    assert int(logits.argmax()) == a and 0 < float(logits[a] - logits[b]) <= 4 * float(torch.finfo().eps * logits[a].abs())
     folder = str(tmp_path / "tie")
     m.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -505,11 +513,42 @@ def test_compare_reports_a_near_tie(tiny_model_dir, tmp_path, capsys, monkeypatc
     f = d["first_difference"]
     assert d["identical"] is False and d["baseline_token_ids"][0][0] == a
     assert f["row"] == 0 and f["token"] == 0 and f["ours"] == b and f["baseline"] == a
-    assert f["abs_delta_logit"] < 1e-5 and f["ulps"] <= 8 and f["near_tie"] is True
+    # 1-3.5 ulps by construction (see _tie_model); |h| |w| is at least |logit_a|, so < 4 eps units
+    assert 1 <= f["ulps"] <= 3.5 and 0 < f["eps_units"] < 4 and f["near_tie"] is True
+    assert f["abs_delta_logit"] == pytest.approx(f["logit_baseline"] - f["logit_ours"])
+    assert f["tolerance"] == pytest.approx(64 * f["abs_delta_logit"] / f["eps_units"]) and f["eps_bound"] == 64
     rc, out, err = run_cli(argv, capsys)
     line = next(l for l in err.splitlines() if l.startswith("identical"))
-    assert re.search(r"differs at token 0 \(near-tie, \|Δlogit\| = \S+ = [0-9.]+ float32 ulp\)", line), line
-    assert "token-for-token" in line and "up to ties and rounding" in line
+    assert re.search(r"differs at token 0 \(near-tie, \|Δlogit\| = \S+ = [0-9.]+ float32 ulp = [0-9.]+ "
+                     r"eps·\|h\|·\|w\|, near-tie up to 64\): greedy output equals plain greedy", line), line
+    assert "within rounding" in line and "docs/lossless.md" in line
+
+
+def test_compare_at_real_near_ties(tiny_model_dir, tmp_path, capsys):
+    """Case 009 through the CLI: output-layer rows nearly equal (most top-2 gaps within rounding),
+    no stand-in: identical, or the first difference is reported as a near-tie within the bound
+    (which of the two depends on the CPU; on the Intel AVX-512 machine measured, token 0 differs
+    at a gap of 2 ulps = 0.018 units)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        w = m.lm_head.weight
+        w.copy_(w[0:1].expand_as(w) * 50 + 2e-6 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    folder = str(tmp_path / "near-tied")
+    m.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    prompt = " ".join(WORDS[(5 * i) % len(WORDS)] for i in range(40))
+    rc, out, err = run_cli(["generate", "--model", folder, "--prompt", prompt, "--max-new-tokens", "16",
+                            "--num-speculative-tokens", "4", "--ignore-eos", "--compare", "--json", "--no-progress"],
+                           capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert len(d["token_ids"][0]) == 16
+    if not d["identical"]:
+        f = d["first_difference"]
+        assert f["near_tie"] is True and 0 <= f["eps_units"] <= f["eps_bound"] == 64, f
+        assert d["token_ids"][0][:f["token"]] == d["baseline_token_ids"][0][:f["token"]]
 
 
 def test_compare_reports_a_real_difference(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -527,7 +566,7 @@ def test_compare_reports_a_real_difference(tiny_model_dir, tmp_path, capsys, mon
     line = next(l for l in err.splitlines() if l.startswith("identical"))
     gap = float(logits[a] - logits[worst])
     assert line.startswith("identical            NO: differs at token 0 (|Δlogit| = "), line
-    assert "not a near-tie" in line
+    assert "not a near-tie" in line and "lossless violation" in line
     shown = float(line.split("|Δlogit| = ")[1].split(" ")[0])
     assert shown == pytest.approx(gap, rel=1e-3, abs=1e-4)
 
@@ -540,7 +579,17 @@ def test_first_difference_unit():
     assert f["ulps"] == pytest.approx(2.0) and f["near_tie"] is True
     f = cli.first_difference([[5, 6, 7]], [[5, 6, 9]], rec, torch.bfloat16)
     assert f["ulps"] == pytest.approx(2 * 2.0 ** -21 / 2.0 ** -5) and f["near_tie"] is True
+    assert f["eps_units"] is None and f["tolerance"] == pytest.approx(8 * 2.0 ** -5)  # bf16 at 4.0, no |h| |w|: the ulp rule
     assert cli.first_difference([[1, 2]], [[1, 2]], rec, torch.float32) is None
+    # with the rounding scale |h| max(|w|): the gap over eps * scale decides, not the ulps at the logit
+    rec.steps = [[(0.01, 0.01 - 3e-6, 4.0)]]  # 3e-6 is ~320 ulps at 0.01 but 6.3 eps * 4.0
+    f = cli.first_difference([[7]], [[9]], rec, torch.float32)
+    assert f["ulps"] > 300 and f["eps_units"] == pytest.approx(3e-6 / (2.0 ** -23 * 4.0), rel=1e-6)
+    assert f["near_tie"] is True and f["tolerance"] == pytest.approx(64 * 2.0 ** -23 * 4.0)
+    rec.steps = [[(0.01, 0.01 - 4e-5, 4.0)]]  # 84 eps units: above the bound
+    f = cli.first_difference([[7]], [[9]], rec, torch.float32)
+    assert f["near_tie"] is False and f["eps_units"] == pytest.approx(4e-5 / (2.0 ** -23 * 4.0), rel=1e-6)
+    assert "not a near-tie" in cli.identical_line(False, f, "float32")
     f = cli.first_difference([[1, 2], [3, 4]], [[1, 2], [3, 5]], None, torch.float32)
     assert (f["row"], f["token"], f["abs_delta_logit"]) == (1, 1, None)  # no recorder: position only
     assert cli.identical_line(True, None, "float32").startswith("yes")
@@ -619,4 +668,5 @@ def test_default_run_is_identical_to_hf(capsys):
     assert rc == 0, err
     d = json.loads(out)
     assert d["prompt_lengths"] == [7182]  # the embedded document (7,128 tokens) + instruction + chat template
-    assert d["identical"] is True
+    # identical on the machines measured; where rounding decides (a near-tie) the CPU may differ
+    assert d["identical"] is True or d["first_difference"]["near_tie"] is True, d["first_difference"]

@@ -706,18 +706,23 @@ def generate(
 ) -> GenerateOutput:
     """Generate with Vegas self-speculative decoding (arXiv 2602.07223) on a HF causal LM.
 
-    Lossless, exactly: in float32, greedy output is token-for-token plain greedy decoding (HF
-    ``generate`` with ``do_sample=False``). In bfloat16 / float16 it is equal up to ties and
-    rounding of the target's logits: verification scores gamma + 1 tokens in one forward pass,
-    which rounds differently from plain decoding's one-token forwards, so where the two best
-    logits are within rounding of each other (from an exact tie to a few ulps apart in the cases
-    seen) the two can pick different tokens, and the texts differ from there on; HF's own
-    ``generate`` also picks differently there with and without its KV cache. What is preserved
-    is the target distribution, not the arithmetic. Sampled output (``do_sample=True``) follows
-    the target distribution (speculative sampling). ``vegas generate --compare`` names the first
-    differing token and the gap between the two tokens' target logits there. Works on batches whose rows have different prompt
-    lengths (left padding), each row accepting its own number of drafts and stopping at its own
-    EOS / ``max_new_tokens``.
+    Lossless up to near-ties, in every dtype: greedy output is plain greedy decoding's (HF
+    ``generate`` with ``do_sample=False``) token for token, except where the two best target logits
+    are within rounding of each other. Verification scores gamma + 1 tokens in one forward pass
+    (other matrix shapes, the extension's attention kernel), which rounds differently from plain
+    decoding's one-token forwards, so at a gap of at most ``k * eps * |h| * max(|w_a|, |w_b|)``
+    (``eps`` of the dtype; ``h`` the final hidden state, ``w`` the two tokens' output-layer rows;
+    ``k`` = 64 in float32, 8 in bfloat16 / float16, :func:`vegas_ext.cli.near_tie_tolerance`) the
+    two can pick different tokens, and the texts differ from there on. The bound is empirical, about
+    3x the largest rounding difference measured (float32: 19 units on ill-conditioned random
+    models, 3.15 on SmolLM2-135M; half precision: 2.9 and 0.44; docs/lossless.md). Which token wins
+    a near-tie depends on the CPU and its BLAS; HF's own ``generate`` also picks differently there
+    with and without its KV cache. The float32 differences seen were at gaps of 0-8 ulps of the
+    logit (at most 0.53 units), on constructed near-ties. Sampled output (``do_sample=True``) follows the target distribution (speculative
+    sampling). ``vegas generate --compare`` names the first differing token, the gap between the
+    two tokens' target logits there (in ulps and in those units) and whether it is a near-tie.
+    Works on batches whose rows have different prompt lengths (left padding), each row accepting
+    its own number of drafts and stopping at its own EOS / ``max_new_tokens``.
 
     Args:
         model: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
