@@ -12,7 +12,7 @@ largest |logit| and ("rel") the largest ``|d_t - d_top|`` in units of ``eps |h| 
 (``h`` the output layer's input, ``w`` its rows: the unit of the near-tie bound), and every first
 difference with HF's gap there (ulps at the larger logit, ulps of the row scale, units).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=python python bench/near_tie_bound.py            # tiny models
+    OMP_NUM_THREADS=1 PYTHONPATH=tests python -m bench.near_tie_bound            # tiny models
     ... --no-tiny --wide | --wide-half | --smollm [--smollm-len N] | --audit-tests  [--json out.json]
 
 ``--audit-tests`` prints the smallest top-2 gap (same units) of the HF references of the tests
@@ -26,11 +26,8 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def ulp(x: float, dtype=torch.float32) -> float:
@@ -193,8 +190,8 @@ def main():
             ids, mask = make_prompts(256, [80, 60], seed=s_)
             show(measure(m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32, f"case009 dense seed {s_}"))
     if args.audit_tests:
-        from decode_utils import cached_model
         import test_cli
+        from decode_utils import cached_model
 
         for fam in FAMILIES:
             for batch, lengths in ((1, [300]), (3, [300, 217, 281])):
