@@ -133,3 +133,19 @@ def test_sampling_with_int8_drafts_matches_target_distribution():
     counts = torch.bincount((new * torch.tensor([V_SMALL**2, V_SMALL, 1])).sum(1), minlength=V_SMALL**K_NEW)
     pv = chi2_pvalue(counts, joint)
     assert pv > P_MIN, f"chi-square p-value {pv:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it)")
+@pytest.mark.parametrize("kind", ["fp16", "int8"])
+def test_cuda_maps_to_fp16_and_stays_lossless(kind):
+    """On CUDA both kinds use a float16 copy through F.linear; greedy stays plain greedy (fp32 model)."""
+    model = make_model("qwen2", seed=12).cuda()
+    ids, mask = make_prompts(model.config.vocab_size, [40, 25], seed=13)
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = hf_greedy(model, ids, mask, 20, eos_token_id=[])
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=20, eos_token_id=[], draft_weights=kind, **KW)
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    n_w = sum(m.weight.numel() for m in _linears(model))
+    n_b = sum(m.bias.numel() for m in _linears(model) if m.bias is not None)
+    assert out.stats["draft_weights_format"] == "fp16" and out.stats["draft_weights_bytes"] == 2 * (n_w + n_b)
+    assert out.stats["num_accepted_tokens"] > 0
