@@ -21,8 +21,8 @@ CUDA both options map to a float16 copy through ``F.linear`` (no new kernel ther
 Mechanics: every ``nn.Linear`` of the model (including :class:`~vegas_ext.packed_linear.PackedLinear`
 and the output layer) gets a low-precision copy, made once and cached on the model
 (``model._vegas_draft_weights``, one kind at a time); a copy is remade when its source weight or
-bias changes (storage address, in-place version, shape, dtype or device: writes through
-``param.data`` bypass the version counter and are not seen). While :meth:`DraftWeights.installed`
+bias is replaced (another tensor object) or changed in place (version counter or storage address;
+writes into ``param.data`` in place bypass both and are not seen). While :meth:`DraftWeights.installed`
 is entered, each linear's ``forward`` is wrapped by a function that takes the copy only inside
 :meth:`DraftWeights.active` (a per-thread context flag), else calls the original forward.
 """
@@ -93,18 +93,21 @@ def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Te
     return q.contiguous(), scales.contiguous()
 
 
-def _source_key(t: Optional[Tensor]) -> tuple:
-    return () if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device)
+def _version_key(t: Optional[Tensor]) -> tuple:
+    return () if t is None else (t._version, t.data_ptr())
 
 
 class _Copy:
-    """The low-precision copy of one linear's weight (and bias where the copy needs its own)."""
+    """The low-precision copy of one linear's weight (and bias where the copy needs its own).
+    It keeps references to the source tensors, so that "the same object, same version counter and
+    storage address" identifies unchanged sources (a held tensor's address cannot be reused)."""
 
-    __slots__ = ("key", "weight", "scales", "bias", "nbytes")
+    __slots__ = ("src", "key", "weight", "scales", "bias", "nbytes")
 
     def __init__(self, mod: nn.Module, kind: str):
         w, b = mod.weight.detach(), None if mod.bias is None else mod.bias.detach()
-        self.key = (_source_key(mod.weight), _source_key(mod.bias))
+        self.src = (mod.weight, mod.bias)
+        self.key = (_version_key(mod.weight), _version_key(mod.bias))
         self.scales = None
         if w.device.type == "cuda":  # CUDA: a float16 copy through F.linear, whatever the kind
             self.weight = w.to(torch.float16).contiguous()
@@ -118,6 +121,12 @@ class _Copy:
         own_bias = self.bias is not None and (b is None or self.bias.data_ptr() != b.data_ptr())
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.weight, self.scales) if t is not None)
         self.nbytes += self.bias.numel() * self.bias.element_size() if own_bias else 0
+
+    def fresh(self, mod: nn.Module) -> bool:
+        """Whether ``mod``'s weight and bias are still the tensors this copy was made from, unedited."""
+        w, b = self.src
+        return (mod.weight is w and mod.bias is b and w._version == self.key[0][0] and w.data_ptr() == self.key[0][1]
+                and (b is None or (b._version, b.data_ptr()) == self.key[1]))
 
 
 class DraftWeights:
@@ -173,7 +182,7 @@ class DraftWeights:
         with torch.no_grad():
             for m in mods:
                 c = self._copies.get(id(m))
-                if c is None or c.key != (_source_key(m.weight), _source_key(m.bias)):
+                if c is None or not c.fresh(m):
                     self._copies[id(m)] = _Copy(m, self.kind)
                     made += 1
         self.build_s = time.perf_counter() - t0
@@ -200,7 +209,7 @@ class DraftWeights:
         c = self._copies.get(id(mod))
         if c is None:
             return original(x)
-        if c.key != (_source_key(mod.weight), _source_key(mod.bias)):  # edited since the copy
+        if not c.fresh(mod):  # edited or replaced since the copy
             with torch.no_grad():
                 c = self._copies[id(mod)] = _Copy(mod, self.kind)
         if c.weight.device.type == "cuda":
