@@ -10,8 +10,9 @@ guess the target's next tokens, so its linears may read a copy of the weights in
   dimension, symmetric (``w ~= q * scale``, ``scale = max|w| / 127`` per group), 1.06 bytes per
   weight; agreement 96.9-97 %. Activations stay float32 and sums are float32 (weight-only: this
   model's activation outliers make activation quantization unusable, 34-40 % agreement).
-* ``"int4"`` is refused: groups of 32 agreed on only 60-61 % of positions on SmolLM2-135M, too few
-  accepted drafts to pay for the verification; nothing implements it.
+* ``"int4"`` is refused: groups of 32 agreed on only 53-71 % of positions on SmolLM2-135M (three
+  documents; 60-61 % in issue 33), too few accepted drafts to pay for the verification; nothing
+  implements it.
 
 The verification and plain steps keep the model's own weights, so the output is exactly plain
 decoding's (greedy: token for token; sampling: the target distribution, with ``q`` from the
@@ -49,8 +50,9 @@ DRAFT_WEIGHTS = (None, "fp16", "int8", "int4")
 INT8_GROUP_SIZE = 64
 
 _INT4_REFUSED = ("draft_weights='int4' is not supported: 4-bit weights (groups of 32) agreed with the fp32 "
-                 "model's next-token argmax on only 60-61 % of positions on SmolLM2-135M (issue 33), too few "
-                 "accepted drafts to pay for verifying them; use 'int8' (97 %) or 'fp16' (99.8-100 %)")
+                 "model's next-token argmax on only 60-61 % of positions on SmolLM2-135M (issue 33; 53-71 % on "
+                 "three documents in bench/results/draft_weights), too few accepted drafts to pay for verifying "
+                 "them; use 'int8' (97-98 %) or 'fp16' (99.6-100 %)")
 
 #: The :class:`DraftWeights` whose copies the wrapped linears use on this thread (None: the originals).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_active", default=None)
