@@ -57,6 +57,7 @@ _INT4_REFUSED = ("draft_weights='int4' is not supported: 4-bit weights (groups o
 #: The :class:`DraftWeights` whose copies the wrapped linears use on this thread (None: the originals).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_active", default=None)
 _INSTALL_LOCK = threading.Lock()
+_CPU_KERNEL = _ops.has_compiled_kernel("weight_only_linear", "cpu")
 
 
 def check_draft_weights(draft_weights) -> None:
@@ -217,7 +218,9 @@ class DraftWeights:
         if c.weight.device.type == "cuda":
             return F.linear(x.to(torch.float16), c.weight, c.bias).to(x.dtype)
         xf = x if x.dtype == torch.float32 else x.float()
-        y = torch.ops.vegas.weight_only_linear.default(xf, c.weight, c.scales, c.bias, INT8_GROUP_SIZE)
+        # the op straight (one draft step makes ~200 of these calls); the checked reference without a build
+        fn = torch.ops.vegas.weight_only_linear.default if _CPU_KERNEL else _ops.weight_only_linear
+        y = fn(xf, c.weight, c.scales, c.bias, INT8_GROUP_SIZE)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # ------------------------------------------------------------------ switching
