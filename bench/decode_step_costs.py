@@ -8,7 +8,9 @@ random K/V per row, then times single forwards, interleaved and repeated, keepin
 * ``full_step``: our plain step (``verify_attention`` with Q=1; the ``"full"`` algorithm),
 * ``draft_step``: one draft token over the selected budget (``sparse_draft_attention``),
 * ``verify``: the verification of gamma+1 tokens (``verify_attention``),
-* ``select``: one ``block_topk`` over all layers.
+* ``select``: one ``block_topk`` over all layers,
+* ``draft_step_fp16`` / ``draft_step_int8`` (``--draft-weights fp16,int8``): the draft step with
+  its linears on the low-precision copy (``generate(draft_weights=...)``, vegas_ext.draft_weights).
 
 and prints the speedups the cost model predicts for a mean acceptance length ``tau`` (given or
 1 + 0.8 * gamma): ``tau * full_step / (gamma * draft_step + verify + select)``. ``--profile`` adds,
@@ -70,7 +72,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype):
 
 #: ops whose self time counts as the linear layers in ``--profile`` (F.linear, oneDNN's packed linear)
 LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
-              "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+              "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "vegas::weight_only_linear")
 
 
 def profile_forward(fn, dev) -> dict:
@@ -87,10 +89,10 @@ def profile_forward(fn, dev) -> dict:
         wall = time.perf_counter() - t0
     attn = lin = 0.0
     for ev in p.key_averages():
-        if ev.key.startswith("vegas::"):
-            attn += ev.self_cpu_time_total
-        elif ev.key in LINEAR_OPS:
+        if ev.key in LINEAR_OPS:
             lin += ev.self_cpu_time_total
+        elif ev.key.startswith("vegas::"):
+            attn += ev.self_cpu_time_total
     wall_ms, attn_ms, lin_ms = wall * 1e3, attn / 1e3, lin / 1e3
     return dict(wall=round(wall_ms, 2), attention=round(attn_ms, 2), linears=round(lin_ms, 2),
                 other=round(wall_ms - attn_ms - lin_ms, 2))
@@ -113,6 +115,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     add_pack_linears_flag(ap)
+    ap.add_argument("--draft-weights", default="",
+                    help="also time the draft step with these low-precision draft linears, e.g. fp16,int8 "
+                         "(draft_step_<kind>_ms; the prediction pred_speedup_vs_full_<kind>)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, run each of our forwards once more under torch.profiler and "
@@ -127,6 +132,9 @@ def main():
     else:
         model, _ = models.load_model(dtype=dtype, device=device)
     packed = pack_linears(model, args.pack_linears)
+    from vegas_ext.draft_weights import DraftWeights
+
+    dws = {k: DraftWeights(model, k) for k in args.draft_weights.split(",") if k}
     cfg = model.config
     V = cfg.vocab_size
     g = args.gamma
@@ -181,15 +189,18 @@ def main():
                 "verify": lambda: our("verify", g + 1),
                 "select": select,
             }
+            for k, dw in dws.items():
+                fns[f"draft_step_{k}"] = (lambda dw: lambda: _with(dw.active(), lambda: our("draft", 1)))(dw)
+            ours = ["full_step", "draft_step", *[f"draft_step_{k}" for k in dws], "verify", "select"]
             if args.no_hf:
                 del fns["hf_step"]
             best = {k: float("inf") for k in fns}
             with torch.inference_mode():
                 for rep in range(args.reps + 1):  # round 0 warms up (not counted)
                     first = rep == 0
-                    with patched(model):
+                    with patched(model), _installed(dws):
                         with st.activate():
-                            for k in ("full_step", "draft_step", "verify", "select"):
+                            for k in ours:
                                 sync(dev)
                                 t0 = time.perf_counter()
                                 fns[k]()
@@ -205,8 +216,8 @@ def main():
                             best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
             prof = None
             if args.profile:
-                with torch.inference_mode(), patched(model), st.activate():
-                    prof = {k: profile_forward(fns[k], dev) for k in ("full_step", "draft_step", "verify")}
+                with torch.inference_mode(), patched(model), st.activate(), _installed(dws):
+                    prof = {k: profile_forward(fns[k], dev) for k in ours if k != "select"}
             it = g * best["draft_step"] + best["verify"] + best["select"]
             hf = best.get("hf_step")
             rec = dict(
@@ -222,6 +233,9 @@ def main():
                 vegas_tok_s_pred=round(B * tau / it, 2),
                 pred_speedup_vs_full=round(tau * best["full_step"] / it, 2),
                 pred_speedup_vs_hf=round(tau * hf / it, 2) if hf else None,
+                **{f"pred_speedup_vs_full_{k}": round(tau * best["full_step"] / (
+                    g * best[f"draft_step_{k}"] + best["verify"] + best["select"]), 2) for k in dws},
+                **{f"draft_weights_{k}_mb": round(dw.nbytes / 1e6, 1) for k, dw in dws.items()},
             )
             if prof:
                 rec["profile_ms"] = prof
@@ -230,6 +244,19 @@ def main():
                 out_f.write(json.dumps(rec) + "\n")
                 out_f.flush()
             del cache, hf_cache, st
+
+
+def _with(ctx, fn):
+    with ctx:
+        return fn()
+
+
+def _installed(dws):
+    """The draft-weights wrappers on the model's linears (one install serves every kind: the
+    wrapper asks whichever :class:`DraftWeights` is active)."""
+    import contextlib
+
+    return next(iter(dws.values())).installed() if dws else contextlib.nullcontext()
 
 
 if __name__ == "__main__":

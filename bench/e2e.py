@@ -272,6 +272,10 @@ def parse_args(argv=None):
     ap.add_argument("--block-sizes", type=_csv(int), default=[None],
                     help="block sizes (default: each algorithm's own, 1 for vegas and 16 for streamingllm / quest)")
     ap.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens (default 256)")
+    ap.add_argument("--draft-weights", type=_csv(str), default=["none"],
+                    help="generate(draft_weights=...) of every drafting configuration, one run each: "
+                         "none, fp16, int8 (e.g. none,fp16,int8; default none); an algorithm spec's "
+                         "dw=<kind> option (vegas/dw=int8) fixes it for that spec")
     ap.add_argument("--share-selection", action="store_true", help="share_selection_across_heads=True")
     ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
     ap.add_argument("--refresh-interval", type=int, default=1,
@@ -311,6 +315,11 @@ def parse_args(argv=None):
             ap.error(str(e))
         if spec["algorithm"] not in SELECTION_ALGORITHMS:
             ap.error(f"unknown algorithm {spec['algorithm']!r}; choose from hf, {', '.join(sorted(SELECTION_ALGORITHMS))}")
+        if spec["draft_weights_override"] not in (None, "none", "fp16", "int8"):
+            ap.error(f"dw= in {a!r} must be none, fp16 or int8")
+    for dw in args.draft_weights:
+        if dw not in ("none", "fp16", "int8"):
+            ap.error(f"--draft-weights must list none, fp16 or int8 (int4 is refused by generate), got {dw!r}")
     return args
 
 
@@ -321,7 +330,8 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
     name, *opts = spec.split("/")
     out = {"algorithm": name, "variant": "/".join(opts),
            "query_weights": args.query_weights, "share_selection_across_heads": args.share_selection,
-           "selection_refresh_interval": args.refresh_interval, "block_size_override": None}
+           "selection_refresh_interval": args.refresh_interval, "block_size_override": None,
+           "draft_weights_override": None}
     for o in opts:
         if o in ("first_last", "all"):
             out["query_weights"] = o
@@ -331,6 +341,8 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
             out["selection_refresh_interval"] = int(o.split("=", 1)[1])
         elif o.startswith("bs="):
             out["block_size_override"] = int(o.split("=", 1)[1])
+        elif o.startswith("dw="):
+            out["draft_weights_override"] = o.split("=", 1)[1]
         else:
             raise ValueError(f"unknown algorithm option {o!r} in {spec!r}")
     return out
@@ -355,7 +367,7 @@ def configurations(args) -> List[Dict[str, Any]]:
         if a in ("hf", "full"):
             continue
         spec = parse_algorithm_spec(a, args)
-        opts = {k: v for k, v in spec.items() if k not in ("algorithm", "block_size_override")}
+        opts = {k: v for k, v in spec.items() if k not in ("algorithm", "block_size_override", "draft_weights_override")}
         specs.append((spec, opts))
     for g in args.num_speculative_tokens:
         for r in args.ratios:
@@ -364,8 +376,9 @@ def configurations(args) -> List[Dict[str, Any]]:
                     if spec["block_size_override"] and bs != args.block_sizes[0]:
                         continue
                     bsz = spec["block_size_override"] or bs or SELECTION_ALGORITHMS[spec["algorithm"]].default_block_size
-                    cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": g, "sparse_attn_ratio": r,
-                                 "block_size": bsz, **opts})
+                    for dw in ([spec["draft_weights_override"]] if spec["draft_weights_override"] else args.draft_weights):
+                        cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": g, "sparse_attn_ratio": r,
+                                     "block_size": bsz, **opts, "draft_weights": None if dw == "none" else dw})
     return cfgs
 
 
@@ -374,7 +387,8 @@ def cfg_label(c: Dict[str, Any]) -> str:
     if c["algorithm"] in ("hf", "full"):
         return c["algorithm"]
     name = c["algorithm"] + (f"/{c['variant']}" if c.get("variant") else "")
-    return f"{name} g{c['num_speculative_tokens']} r{c['sparse_attn_ratio']:g} b{c['block_size']}"
+    dw = f" dw={c['draft_weights']}" if c.get("draft_weights") and "dw=" not in name else ""
+    return f"{name} g{c['num_speculative_tokens']} r{c['sparse_attn_ratio']:g} b{c['block_size']}{dw}"
 
 
 def main(argv=None) -> int:
@@ -419,7 +433,8 @@ def main(argv=None) -> int:
                  "max_speculative_tokens": args.max_speculative_tokens}
         if c["algorithm"] != "full":
             extra.update(share_selection_across_heads=c["share_selection_across_heads"],
-                         query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"])
+                         query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"],
+                         draft_weights=c.get("draft_weights"))
         return run_ours(model, ids, mask, max_new, pad_id, c["algorithm"], g if c["algorithm"] != "full" else 0,
                         c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16, extra)
 
@@ -482,6 +497,7 @@ def main(argv=None) -> int:
                         "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),
                         "identical_to_hf": (r["tokens"] == results["hf"][1]["tokens"]) if "hf" in results else None,
                         "prefill_reused": s.get("prefill_reused"),
+                        "draft_weights_bytes": s.get("draft_weights_bytes"),
                         "cell_prefill_s": t_pf if pc is not None else None,
                         "time_select_inline_s": s.get("time_select_inline_s"),
                         "time_select_prefill_s": s.get("time_select_prefill_s"),

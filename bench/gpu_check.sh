@@ -6,7 +6,8 @@
 #   2. runs tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph
 #      replay of a whole decode step, no host sync, workspace = formula, top-k ties/NaN; the
 #      CPU-only emulation tests are skipped here), tests/test_paged_block_scores_cuda.py (the
-#      paged_block_scores kernel vs its reference, graph capture, no sync) and the
+#      paged_block_scores kernel vs its reference, graph capture, no sync), the draft-weights
+#      fp16 path on CUDA (tests/test_draft_weights.py, lossless greedy) and the
 #      huge-block-size tests;
 #   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, block sizes 1 and
 #      16, Llama-3-8B / Qwen3-8B attention shape) and prints its table, with the workspace
@@ -74,6 +75,7 @@ step "2/4 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py"
 set +e
 VEGAS_SKIP_EMULATOR=1 timeout 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
   tests/test_paged_block_scores_cuda.py "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
+  tests/test_draft_weights.py::test_cuda_maps_to_fp16_and_stays_lossless \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
 trc=${PIPESTATUS[0]}
 set -e

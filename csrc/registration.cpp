@@ -44,4 +44,9 @@ TORCH_LIBRARY(vegas, m) {
   m.def(
       "paged_block_scores(Tensor q, Tensor key_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, int num_queries, float scale) -> Tensor");
+  // y = x . W^T (+ bias) on fp32 rows against fp16 or int8 weights (group scales), fp32 sums:
+  // the low-precision linears of Vegas's draft forwards (python/vegas_ext/draft_weights.py).
+  m.def(
+      "weight_only_linear(Tensor x, Tensor weight, Tensor? scales=None, Tensor? bias=None, "
+      "int group_size=64) -> Tensor");
 }

@@ -670,3 +670,29 @@ def test_default_run_is_identical_to_hf(capsys):
     assert d["prompt_lengths"] == [7182]  # the embedded document (7,128 tokens) + instruction + chat template
     # identical on the machines measured; where rounding decides (a near-tie) the CPU may differ
     assert d["identical"] is True or d["first_difference"]["near_tie"] is True, d["first_difference"]
+
+# ------------------------------------------------------------------------------------ --draft-weights
+def test_draft_weights_and_compare_with_our_plain_loop(tiny_model_dir, capsys):
+    """--draft-weights int8 stays lossless; --compare also times our own plain loop ("full") and
+    reports both ratios; the stats say how many iterations drafted and what the copy weighs."""
+    base = ["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet", "--max-new-tokens", "10",
+            "--num-speculative-tokens", "3", "--block-size", "4", "--min-tokens", "4", "--ignore-eos", "--compare",
+            "--no-progress", "--draft-weights", "int8"]
+    rc, out, err = run_cli(base + ["--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["identical"] is True and d["plain_identical"] is True and d["draft_weights"] == "int8"
+    assert d["speedup_vs_plain"] > 0 and d["plain_tokens_per_s"] > 0 and d["plain_time_s"] > 0
+    assert d["stats"]["draft_weights_bytes"] > 0 and d["stats"]["draft_weights_format"] == "int8-g64"
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    assert re.search(r"speculated +\d+ of \d+ iterations drafted", err), err
+    assert re.search(r"draft weights +int8-g64: a copy of [\d.]+ MiB", err), err
+    assert re.search(r"speedup \(vegas\) +[\d.]+x end to end.* vs our plain loop; [\d.]+x vs HF generate", err), err
+
+
+def test_draft_weights_int4_is_refused_in_one_line(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man", "--max-new-tokens", "3",
+                            "--no-progress", "--draft-weights", "int4"], capsys)
+    line = _assert_one_line_error(rc, out, err)
+    assert "int4" in line and "60-61 %" in line

@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vegas: verification queries that score blocks: all (default) or first_last (the authors')")
     d.add_argument("--refresh-interval", type=_int("--refresh-interval"), default=1,
                    help="vegas: re-select the draft blocks only every N iterations (SparseSpec; default 1)")
+    d.add_argument("--draft-weights", choices=("none", "fp16", "int8", "int4"), default="none",
+                   help="weights of the draft forwards' linears: none (the model's, default), fp16, or int8 "
+                        "(weight-only, groups of 64): a low-precision copy made once; verification keeps "
+                        "the model's weights, so the output is unchanged (int4 is refused: too inaccurate)")
     d.add_argument("--do-sample", action="store_true", help="sample (speculative sampling) instead of greedy decoding")
     d.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     d.add_argument("--top-k", type=_int("--top-k"), default=0, help="top-k filter, 0 = off (default)")
@@ -139,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS; always generate --max-new-tokens")
     o = g.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
-                   help="also run plain greedy decoding with Hugging Face's model.generate; report speedup "
-                        "and whether the tokens are identical (where not: the first differing token and "
+                   help="also run plain greedy decoding with Hugging Face's model.generate and with our own "
+                        "loop (--algorithm full); report both speedups and whether the tokens are identical (where not: the first differing token and "
                         "the gap between the two tokens' target logits there)")
     o.add_argument("--json", action="store_true",
                    help="print one JSON object to stdout: text, new token ids, stats (and the comparison)")
@@ -700,6 +704,12 @@ def _fmt_stats(stats: Dict[str, Any]) -> List[str]:
         lines.append(f"fitted costs         draft step {g('cost_t_draft_ms', '{:.1f}')} ms, verify(q) "
                      f"{g('cost_t_verify_c0_ms', '{:.1f}')} + {g('cost_t_verify_c1_ms', '{:.1f}')} q ms, "
                      f"select {g('cost_t_select_ms', '{:.1f}')} ms; {g('num_probes', '{}')} probes")
+    hist = stats.get("gamma_histogram")
+    if hist is not None and stats.get("num_iterations") is not None:  # did speculation happen at all?
+        lines.append(f"speculated           {sum(hist[1:])} of {stats['num_iterations']} iterations drafted")
+    if stats.get("draft_weights_bytes"):
+        lines.append(f"draft weights        {stats.get('draft_weights_format')}: a copy of "
+                     f"{stats['draft_weights_bytes'] / 2**20:.1f} MiB (made in {g('time_draft_weights_s', '{:.2f}')}s)")
     parts = [f"{k[5:-2]} {stats[k]:.2f}s" for k in ("time_prefill_s", "time_draft_s", "time_verify_s", "time_select_s")
              if isinstance(stats.get(k), (int, float))]
     if parts:
@@ -811,6 +821,7 @@ def _generate_kwargs(args, max_new, eos, pad_id, generator) -> Dict[str, Any]:
         eos_token_id=eos,  # [] = never stop at EOS
         pad_token_id=pad_id,
         generator=generator,
+        draft_weights=None if args.draft_weights == "none" else args.draft_weights,
     )
 
 
@@ -851,6 +862,35 @@ def _compare(model, ids, mask, rows, ours, stats, wall, max_new, eos, pad_id, dt
     )
 
 
+def _compare_plain(model, ids, mask, kwargs, stats, wall, ours, eos, max_new) -> Dict[str, Any]:
+    """Runs our own plain loop (``sparse_attn_algorithm="full"``) on the same prompt: what
+    speculation itself gained, apart from the loop's kernels. Returns the comparison fields."""
+    from . import generate
+
+    B = ids.shape[0]
+    t0 = time.perf_counter()
+    out = generate(model, ids, mask, **{**kwargs, "sparse_attn_algorithm": "full", "block_size": None,
+                                       "draft_weights": None, "streamer": None})
+    _sync(ids.device)
+    plain_wall = time.perf_counter() - t0
+    plain = new_tokens(out.sequences, ids.shape[1], eos, max_new)
+    n_ours, n_plain = sum(len(r) for r in ours), sum(len(r) for r in plain)
+    plain_tps = n_plain / plain_wall if plain_wall > 0 else None
+    plain_dec = plain_wall - out.stats["time_prefill_s"]
+    our_pre = stats.get("time_prefill_s")
+    our_dec = wall - our_pre if isinstance(our_pre, (int, float)) else None
+    dec = None
+    if our_dec and plain_dec > 0 and n_plain > B and n_ours > B:
+        dec = ((n_ours - B) / our_dec) / ((n_plain - B) / plain_dec)
+    return dict(
+        plain_time_s=plain_wall,
+        plain_tokens_per_s=plain_tps,
+        speedup_vs_plain=(stats["wall_tokens_per_s"] / plain_tps) if plain_tps and stats["wall_tokens_per_s"] else None,
+        decode_speedup_vs_plain=dec,
+        plain_identical=(ours == plain) if not kwargs.get("do_sample") else None,
+    )
+
+
 def _print_human(result, stats, wall, n_ours, algorithm, dtype_name, printed_text: bool) -> None:
     B = len(result["text"])
     if not printed_text:
@@ -871,6 +911,13 @@ def _print_human(result, stats, wall, n_ours, algorithm, dtype_name, printed_tex
         _eprint(f"speedup              {sp:.2f}x end to end" + (
             f", {result['decode_speedup']:.2f}x decode only (prefill excluded)" if result["decode_speedup"] else ""))
         _eprint("identical            " + identical_line(result["identical"], result.get("first_difference"), dtype_name))
+    if result.get("plain_time_s") is not None:
+        _eprint("--- comparison with our own plain loop (--algorithm full, same kernels, no drafts) ---")
+        _eprint(f"plain loop           {result['plain_time_s']:.2f}s = {result['plain_tokens_per_s']:.2f} tok/s (incl. prefill)")
+        sp, dsp = result.get("speedup_vs_plain"), result.get("decode_speedup_vs_plain")
+        _eprint(f"speedup (vegas)      {sp:.2f}x end to end" + (f", {dsp:.2f}x decode only" if dsp else "")
+                + f" vs our plain loop; {result['speedup']:.2f}x vs HF generate"
+                + ("" if result.get("plain_identical") in (None, True) else "; tokens differ from the plain loop's"))
 
 
 def cmd_generate(args) -> int:
@@ -919,6 +966,9 @@ def cmd_generate(args) -> int:
         w_ids, w_mask = ids[:, -min(16, ids.shape[1]):], mask[:, -min(16, ids.shape[1]):]
         with torch.inference_mode():
             generate(model, w_ids, w_mask, **{**kwargs, "max_new_tokens": 2})
+            if args.algorithm != "full":
+                generate(model, w_ids, w_mask, **{**kwargs, "max_new_tokens": 2, "sparse_attn_algorithm": "full",
+                                                  "block_size": None, "draft_weights": None})
             _run_hf(model, w_ids, w_mask, 2, eos, pad_id, None)
 
     # The decode loop streams batch size 1 only. Text streams to stdout when it is a terminal
@@ -954,6 +1004,7 @@ def cmd_generate(args) -> int:
         "dtype": dtype_name,
         "device": str(device),
         "packed_linears": packed,
+        "draft_weights": args.draft_weights,
         "prompt_lengths": [len(r) for r in rows],
         "text": [tok.decode(r, skip_special_tokens=True) for r in ours],
         "token_ids": ours,
@@ -963,6 +1014,9 @@ def cmd_generate(args) -> int:
         result["prompt_token_ids"] = rows
     if args.compare:
         result.update(_compare(model, ids, mask, rows, ours, stats, wall, max_new, eos, pad_id, dtype, args, show))
+        if args.algorithm != "full":
+            with torch.inference_mode():
+                result.update(_compare_plain(model, ids, mask, kwargs, stats, wall, ours, eos, max_new))
 
     if args.json:
         print(json.dumps(_jsonable(result), default=str))

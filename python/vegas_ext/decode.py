@@ -35,6 +35,7 @@ from torch import Tensor
 from . import config
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
+from .draft_weights import check_draft_weights, draft_weights_for
 from .hf import AttentionState, patched
 from .selection import (
     SELECTION_ALGORITHMS,
@@ -136,6 +137,7 @@ class DecodeState:
     selected: bool = False
     scores_fresh: bool = True
     streamer: object = None
+    draft_weights: object = None  # a DraftWeights: the draft forwards' low-precision linears
 
     def forward(self, ids: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One model forward over ``ids`` ``[B, Q]`` at positions ``pos`` into the cache; returns
@@ -385,13 +387,15 @@ def draft(state: DecodeState, g: int):
     state.attn.mode = "draft"
     lengths = state.cache.lengths.long()
     tok = state.last_tok
-    for j in range(g):
-        state.cache.begin_forward(1, offset=j)
-        lg = state.forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None], 1)[:, -1]
-        tok, qj = state.sample_or_argmax(lg)
-        if q is not None:
-            q[:, j] = qj
-        drafts[:, j] = tok
+    lowp = state.draft_weights.active() if state.draft_weights is not None else contextlib.nullcontext()
+    with lowp:  # the draft's linears on the low-precision copy; verification keeps the model's own
+        for j in range(g):
+            state.cache.begin_forward(1, offset=j)
+            lg = state.forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None], 1)[:, -1]
+            tok, qj = state.sample_or_argmax(lg)
+            if q is not None:
+                q[:, j] = qj
+            drafts[:, j] = tok
     return drafts, q
 
 
@@ -703,6 +707,7 @@ def generate(
     generator: Optional[torch.Generator] = None,
     return_cache: bool = False,
     prefill_cache: Optional[dict] = None,
+    draft_weights: Optional[str] = None,
 ) -> GenerateOutput:
     """Generate with Vegas self-speculative decoding (arXiv 2602.07223) on a HF causal LM.
 
@@ -786,6 +791,14 @@ def generate(
             fingerprintable: a forward hook on model.model.layers.0"``, ...). Writes through
             ``param.data`` bypass the version counter: clear the dict after editing weights that
             way. See ``docs/models.md``.
+        draft_weights: ``None`` (default: drafts use the model's weights), ``"fp16"`` or
+            ``"int8"`` (groups of 64, weight-only): the draft forwards' linears read a
+            low-precision copy of the weights, made once and cached on the model (remade when a
+            weight changes in place or is replaced); verification keeps the model's weights, so
+            the output is unchanged (greedy: token for token; sampling: the target distribution).
+            ``"int4"`` is refused (too inaccurate on the models measured). CUDA: both use a float16
+            copy. ``stats["draft_weights_bytes"]``: the copy's memory. See
+            :mod:`vegas_ext.draft_weights`.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
@@ -861,6 +874,7 @@ def generate(
     temperature, top_p = opts["temperature"], opts["top_p"]
     _check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
+    check_draft_weights(draft_weights)
     if block_size is None:
         block_size = SELECTION_ALGORITHMS[sparse_attn_algorithm].default_block_size
     input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
@@ -923,6 +937,7 @@ def generate(
         "prompt_lengths": prompt_lens.tolist(),
         "dtype": str(p0.dtype).replace("torch.", ""),
         "device": str(device),
+        "draft_weights": draft_weights,
     }
     stats = DecodeStats.for_gamma(gamma)
     if max_new_tokens == 0:
@@ -933,7 +948,10 @@ def generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    with torch.inference_mode(), patched(model, max_context=need_ctx):
+    # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
+    dw = draft_weights_for(model, draft_weights) if strategy.drafts and draft_weights else None
+    dw_ctx = dw.installed() if dw is not None else contextlib.nullcontext()
+    with torch.inference_mode(), patched(model, max_context=need_ctx), dw_ctx:
         t_start = time.perf_counter()
         cache = VegasCache.for_model(model, B, S_max)
         attn = AttentionState(
@@ -952,7 +970,7 @@ def generate(
             generator=generator, eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
             sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), limit_new=limit_new,
             new_tokens=torch.full((B, n_cap), pad_token_id, dtype=torch.long, device=device),
-            streamer=streamer, compact=not return_cache,
+            streamer=streamer, compact=not return_cache, draft_weights=dw,
         )
         with attn.activate(), _torn_down(strategy, attn):
             strategy.setup(attn)  # inside: teardown runs however the call ends
@@ -973,6 +991,9 @@ def generate(
     out = {**stats.as_dict(t_total, B), **config_used, **policy.stats()}
     out["prefill_reused"] = reused
     out["prefill_miss"] = None if reused or prefill_cache is None else getattr(state, "prefill_miss", "no prefill")
+    out["draft_weights_bytes"] = dw.nbytes if dw is not None else 0
+    out["draft_weights_format"] = dw.format if dw is not None else None
+    out["time_draft_weights_s"] = dw.build_s if dw is not None else 0.0
     out["time_select_inline_s"] = inline_total
     out["time_select_prefill_s"] = float(sum(inline_pre.values()))
     sequences = torch.cat([input_ids, state.new_tokens[:, : int(n_gen.max())]], 1)

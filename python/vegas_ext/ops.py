@@ -777,3 +777,94 @@ def _paged_fake(q, key_cache, block_table, seq_lens, query_start_loc, num_querie
 torch.library.register_autograd("vegas::paged_block_scores", _no_backward("paged_block_scores"))
 paged_block_scores = _make_dispatching("paged_block_scores", paged_block_scores, _paged_fallback)
 __all__.append("paged_block_scores")
+
+
+# ---------------------------------------------------------------------------
+# weight_only_linear (the low-precision linears of the draft forwards, vegas_ext.draft_weights)
+# ---------------------------------------------------------------------------
+if not EXTENSION_LOADED:  # pragma: no cover
+    _lib.define(
+        "weight_only_linear(Tensor x, Tensor weight, Tensor? scales=None, Tensor? bias=None, "
+        "int group_size=64) -> Tensor"
+    )
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("weight_only_linear", _dev)] = has_compiled_kernel("weight_only_linear", _dev)
+
+
+def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                       group_size: int = 64) -> Tensor:
+    """``y = x . W^T (+ bias)`` for few rows of float32 activations against a weight stored as
+    float16, or as int8 with one float32 scale per group of ``group_size`` weights along K
+    (symmetric: ``W[n, k] ~= weight[n, k] * scales[n, k // group_size]``); float32 accumulation.
+
+    The draft forwards' linears (:mod:`vegas_ext.draft_weights`): a decoding step's 1-16 rows make
+    a linear a weight-streaming problem, and reading 2 (fp16) or ~1.06 (int8, groups of 64) bytes
+    per weight instead of 4 cuts its time. CPU kernel (AVX-512, AVX2+F16C or scalar, chosen at run
+    time; ``VEGAS_CPU_ISA`` caps it), threads split the output columns; elsewhere the reference
+    (dequantize, then ``F.linear``) runs.
+
+    Args:
+        x: ``[..., K]`` float32, any strides (copied to contiguous rows if needed).
+        weight: ``[N, K]`` float16 or int8, contiguous.
+        scales: int8 weight: ``[N, ceil(K / group_size)]`` float32, contiguous; float16: ``None``.
+        bias: ``[N]`` float32 or ``None``.
+        group_size: weights per scale along K for int8 (a positive multiple of 16; 64 by default);
+            unused with float16.
+
+    Returns:
+        ``[..., N]`` float32. Equal to :func:`vegas_ext.reference.weight_only_linear` up to float32
+        summation order (a different one: not the same bits).
+
+    Raises:
+        ValueError / RuntimeError naming the argument: wrong rank, dtype, shape, device or layout
+        of ``x``, ``weight``, ``scales`` or ``bias``; scales given with float16 or missing with
+        int8; a group_size that is not a positive multiple of 16 (int8).
+    """
+    return torch.ops.vegas.weight_only_linear(x, weight, scales, bias, group_size)
+
+
+def _check_wol(op, x, weight, scales, bias, group_size):
+    _require_tensors(op, x=x, weight=weight, scales_opt=scales, bias_opt=bias)
+    if weight.dim() != 2:
+        _fail(op, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        _fail(op, f"x must have shape [..., K] with K = weight.size(1) = {K}, got {tuple(x.shape)}")
+    if x.dtype != torch.float32:
+        _fail(op, f"x must be float32, got {x.dtype}")
+    if weight.dtype not in (torch.float16, torch.int8):
+        _fail(op, f"weight must be float16 or int8, got {weight.dtype}")
+    for name, t in (("weight", weight), ("scales", scales), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
+    if weight.dtype == torch.int8:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 or group_size % 16:
+            _fail(op, f"group_size must be a positive multiple of 16, got {group_size!r}")
+        ng = -(-K // group_size)
+        if scales is None:
+            _fail(op, f"scales [N, ceil(K / group_size)] = [{N}, {ng}] float32 are required with an int8 weight")
+        if scales.dim() != 2 or tuple(scales.shape) != (N, ng):
+            _fail(op, f"scales must have shape [N, ceil(K / group_size)] = [{N}, {ng}], got {tuple(scales.shape)}")
+        if scales.dtype != torch.float32:
+            _fail(op, f"scales must be float32, got {scales.dtype}")
+    elif scales is not None:
+        _fail(op, "scales must be None with a float16 weight")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != torch.float32):
+        _fail(op, f"bias must be float32 of shape [N] = [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    return N
+
+
+def _wol_fallback(x, weight, scales=None, bias=None, group_size=64):
+    _check_wol("weight_only_linear", x, weight, scales, bias, group_size)
+    return reference.weight_only_linear(x, weight, scales, bias, group_size)
+
+
+@torch.library.register_fake("vegas::weight_only_linear")
+def _wol_fake(x, weight, scales=None, bias=None, group_size=64):
+    N = _check_wol("weight_only_linear", x, weight, scales, bias, group_size)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+torch.library.register_autograd("vegas::weight_only_linear", _no_backward("weight_only_linear"))
+weight_only_linear = _make_dispatching("weight_only_linear", weight_only_linear, _wol_fallback)
+__all__.append("weight_only_linear")

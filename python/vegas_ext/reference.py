@@ -27,6 +27,7 @@ __all__ = [
     "block_minmax_update",
     "quest_block_scores",
     "paged_block_scores",
+    "weight_only_linear",
 ]
 
 
@@ -230,3 +231,15 @@ def paged_block_scores(
         p = torch.nn.functional.pad(p, (0, npg * ps - L)).view(Hkv, npg, ps).sum(-1)
         out[r, :, :npg] = p
     return out
+
+
+def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                       group_size: int = 64) -> Tensor:
+    """``x . W^T (+ bias)`` with ``W`` dequantized to float32 first: ``weight.float()`` for
+    float16, ``weight * scales`` repeated over each group of ``group_size`` columns for int8.
+    Shapes: see :func:`vegas_ext.ops.weight_only_linear`."""
+    K = weight.shape[1]
+    w = weight.float()
+    if scales is not None:
+        w = w * scales.float().repeat_interleave(group_size, dim=1)[:, :K]
+    return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())

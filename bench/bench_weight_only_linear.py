@@ -1,0 +1,85 @@
+"""vegas::weight_only_linear against the machine's read bandwidth, on SmolLM2-135M's linear shapes.
+
+Per row count (1, 4, 8, 16), one round times every linear of a decoding step (30 layers x
+q/k/v/o/gate/up/down + the output layer) with: fp32 ``F.linear`` (the plain step's linears),
+fp16 and bf16 ``F.linear`` (PyTorch's own low-precision CPU path) and the kernel on fp16 and int8
+(groups of 64) weights; rounds interleave the variants, medians are reported. GB/s = weight bytes
+read / time; the read bandwidth is a 512 MB fp32 ``sum`` (1 thread unless --threads).
+
+    python bench/bench_weight_only_linear.py --out bench/results/draft_weights/kernel.json
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import vegas_ext.ops  # noqa: F401  (registers torch.ops.vegas.*)
+from vegas_ext.draft_weights import INT8_GROUP_SIZE, quantize_int8
+
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    big = torch.randn(128 * 1024 * 1024)
+    bw = statistics.median(timed(lambda: big.sum()) for _ in range(5))
+    read_gbs = big.numel() * 4 / bw / 1e9
+    del big
+    ws = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    n_w = sum(w.numel() for w in ws)
+    w16 = [w.half() for w in ws]
+    wbf = [w.bfloat16() for w in ws]
+    q8 = [quantize_int8(w, INT8_GROUP_SIZE) for w in ws]
+    op = torch.ops.vegas.weight_only_linear.default
+    bytes_of = {"fp32 F.linear": 4 * n_w, "fp16 F.linear": 2 * n_w, "bf16 F.linear": 2 * n_w,
+                "kernel fp16": 2 * n_w, "kernel int8": sum(q.numel() + 4 * s.numel() for q, s in q8)}
+    res = {"read_bandwidth_gbs": read_gbs, "threads": args.threads, "weights": n_w, "rows": {}}
+    print(f"read bandwidth (512 MB fp32 sum, {args.threads} thread(s)): {read_gbs:.1f} GB/s; {n_w / 1e6:.0f} M weights")
+    for M in args.rows:
+        xs = [torch.randn(M, w.shape[1]) for w in ws]
+        xh = [x.half() for x in xs]
+        xb = [x.bfloat16() for x in xs]
+        fns = {
+            "fp32 F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
+            "fp16 F.linear": lambda: [F.linear(x, w) for x, w in zip(xh, w16)],
+            "bf16 F.linear": lambda: [F.linear(x, w) for x, w in zip(xb, wbf)],
+            "kernel fp16": lambda: [op(x, w, None, None, 64) for x, w in zip(xs, w16)],
+            "kernel int8": lambda: [op(x, q, s, None, INT8_GROUP_SIZE) for x, (q, s) in zip(xs, q8)],
+        }
+        times = {k: [] for k in fns}
+        for k, f in fns.items():
+            f()  # warm-up
+        for _ in range(args.rounds):
+            for k, f in fns.items():
+                times[k].append(timed(f))
+        row = {}
+        for k, ts in times.items():
+            t = statistics.median(ts)
+            gbs = bytes_of[k] / t / 1e9
+            row[k] = {"ms": t * 1e3, "gbs": gbs, "of_read_bw": gbs / read_gbs}
+        res["rows"][M] = row
+        print(f"rows {M:2d}: " + "  ".join(f"{k} {v['ms']:.1f} ms {v['gbs']:.1f} GB/s ({v['of_read_bw']:.0%})"
+                                          for k, v in row.items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
