@@ -454,21 +454,11 @@ def _check_generation_config(gc, hf_call: dict, logits_processor, model_kwargs) 
         _refuse("synced_gpus=True", "single-process decoding")
     if getattr(gc, "guidance_scale", None) not in (None, 1, 1.0):
         _refuse(f"guidance_scale={gc.guidance_scale}", "classifier-free guidance runs its own model calls per step")
-    if getattr(gc, "encoder_repetition_penalty", 1.0) not in (None, 1, 1.0):
-        _refuse(f"encoder_repetition_penalty={gc.encoder_repetition_penalty}", "it indexes the whole batch's prompts")
-    from transformers.generation.logits_process import (
-        EncoderRepetitionPenaltyLogitsProcessor,
-        PrefixConstrainedLogitsProcessor,
-        UnbatchedClassifierFreeGuidanceLogitsProcessor,
-    )
+    from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
     for proc in logits_processor or ():
-        if isinstance(proc, PrefixConstrainedLogitsProcessor):
-            _refuse("prefix_allowed_tokens_fn", "it is called with the batch index of each row")
         if isinstance(proc, UnbatchedClassifierFreeGuidanceLogitsProcessor):
             _refuse("negative_prompt_ids / guidance_scale", "classifier-free guidance runs its own model calls per step")
-        if isinstance(proc, EncoderRepetitionPenaltyLogitsProcessor):
-            _refuse("encoder_repetition_penalty", "it indexes the whole batch's prompts")
     if model_kwargs.get("inputs_embeds") is not None:
         _refuse("inputs_embeds", "the loop decodes from input_ids")
     for name in ("cache", "past_key_values"):
@@ -478,6 +468,27 @@ def _check_generation_config(gc, hf_call: dict, logits_processor, model_kwargs) 
     other = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED_MODEL_KWARGS and v is not None)
     if other:
         _refuse(", ".join(other), "model inputs other than input_ids / attention_mask")
+
+
+def _plain_warpers(procs):
+    """``(temperature, top_k, top_p)`` when ``procs`` are exactly the warpers
+    :func:`vegas_ext.acceptance.make_warpers` builds (HF's classes, in HF's order, default filter
+    value and ``min_tokens_to_keep``), else ``None``. Then the loop applies them itself, with no
+    per-position processor calls."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    t, k, p, stage = 1.0, 0, 1.0, 0
+    for w in procs:
+        plain = getattr(w, "filter_value", -float("inf")) == -float("inf") and getattr(w, "min_tokens_to_keep", 1) == 1
+        if type(w) is TemperatureLogitsWarper and stage < 1:
+            t, stage = float(w.temperature), 1
+        elif type(w) is TopKLogitsWarper and stage < 2 and plain:
+            k, stage = int(w.top_k), 2
+        elif type(w) is TopPLogitsWarper and stage < 3 and plain:
+            p, stage = float(w.top_p), 3
+        else:
+            return None
+    return t, k, p
 
 
 def _needed_criteria(stopping_criteria, max_length: int, eos: List[int]):
@@ -518,6 +529,8 @@ def generate(
     generator: Optional[torch.Generator] = None,
     prefill_cache: Optional[dict] = None,
     vegas_options: Optional[dict] = None,
+    stop_strings=None,
+    tokenizer=None,
     **model_kwargs,
 ):
     """Vegas as the decoding loop of HF's own ``generate``: pass it as ``custom_generate``.
@@ -552,6 +565,12 @@ def generate(
             prefill_cache: the options of :func:`vegas_ext.generate`, given to ``model.generate``
             as extra keyword arguments; ``None`` = :func:`vegas_ext.generate`'s default.
         vegas_options: any other keyword arguments of :func:`vegas_ext.generate`, as a dict.
+        stop_strings, tokenizer: HF's stop strings (``str`` or list), checked as plain decoding
+            checks them (``StopStringCriteria``). transformers passes a callable
+            ``custom_generate`` neither the ``tokenizer`` given to ``model.generate`` nor the
+            pipeline's, so bind it: ``custom_generate=functools.partial(vegas_ext.hf.generate,
+            tokenizer=tok)``; ``stop_strings`` (or a pipeline's ``stop_sequence``) then reach this
+            function instead of HF's own check, which would fail without the tokenizer.
         **model_kwargs: what HF prepared (``attention_mask``, ``position_ids``, an empty cache, ...).
 
     Returns:
@@ -565,8 +584,7 @@ def generate(
         ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit``,
         ``output_scores`` / ``output_logits`` / ``output_attentions`` / ``output_hidden_states``
         with ``return_dict_in_generate``, ``synced_gpus``, ``guidance_scale`` /
-        ``negative_prompt_ids``, ``encoder_repetition_penalty``, ``prefix_allowed_tokens_fn``,
-        ``inputs_embeds``, a filled ``past_key_values`` / ``cache``, other model inputs, stopping
+        ``negative_prompt_ids``, ``inputs_embeds``, a filled ``past_key_values`` / ``cache``, other model inputs, stopping
         criteria that end rows early in a batch without an EOS id (plain decoding then keeps
         generating those rows), a streamer with batch size > 1; and the errors of
         :func:`vegas_ext.generate` (unsupported model, right padding, out-of-range options).
@@ -591,6 +609,15 @@ def generate(
     pad = None if pad_t is None else int(pad_t)
     max_length = int(gc.max_length)
     criteria = _needed_criteria(stopping_criteria, max_length, eos)
+    if stop_strings:
+        if tokenizer is None:
+            _refuse("stop_strings without a tokenizer",
+                    "transformers does not pass `tokenizer` to a callable custom_generate; bind it with "
+                    "custom_generate=functools.partial(vegas_ext.hf.generate, tokenizer=tok)")
+        from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+
+        criteria = StoppingCriteriaList(criteria or [])
+        criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
     if criteria is not None and not eos and B > 1:
         _refuse("stopping criteria with batch size > 1 and no eos_token_id",
                 "plain decoding keeps generating rows its criteria stopped unless an EOS id is set")
@@ -603,6 +630,11 @@ def generate(
         selection_refresh_interval=selection_refresh_interval, generator=generator, prefill_cache=prefill_cache,
     )
     opts = {k: v for k, v in opts.items() if v is not None}
+    procs = logits_processor if logits_processor is not None and len(logits_processor) else None
+    warp = _plain_warpers(procs) if (procs is not None and gc.do_sample) else None
+    if warp is not None:  # sampling with temperature / top-k / top-p only: the loop's own warpers
+        procs = None
+        opts.update(temperature=warp[0], top_k=warp[1], top_p=warp[2])
     for k, v in (vegas_options or {}).items():
         if k in _RESERVED_VEGAS_OPTIONS:
             _refuse(f"vegas_options[{k!r}]", "set it through model.generate's own arguments")
@@ -614,7 +646,7 @@ def generate(
         eos_token_id=eos,
         pad_token_id=pad,
         streamer=_AfterPrompt(streamer) if (streamer is not None and forwarded) else streamer,
-        logits_processor=logits_processor if logits_processor is not None and len(logits_processor) else None,
+        logits_processor=procs,
         stopping_criteria=criteria,
         **opts,
     )
