@@ -386,3 +386,23 @@ def test_embedded_model_greedy_with_processors_and_stop_strings():
     T = enc["input_ids"].shape[1]
     assert tok.decode(want_s[1, T:], skip_special_tokens=True).rstrip().endswith(stop)  # row 1 stopped there
     assert want_s[1, T:].shape[0] > 10
+
+
+# --------------------------------------------------------------------------------- the hook itself
+def test_decode_generate_logits_processor_hook_directly(llama, prompts):
+    """vegas_ext.generate(logits_processor=..., stopping_criteria=...) is the hook hf.generate
+    uses; called directly it matches plain decoding with the same lists."""
+    from transformers import NoRepeatNGramLogitsProcessor
+
+    ids, mask = prompts
+    procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5), NoRepeatNGramLogitsProcessor(2)])
+    crit = StoppingCriteriaList([StopAfterToken(82)])
+    want = _plain(llama, ids, mask, max_new_tokens=NEW, logits_processor=procs, stopping_criteria=crit)
+    with torch.inference_mode():
+        got = vegas_ext.generate(llama, ids, mask, max_new_tokens=NEW, pad_token_id=0, logits_processor=procs,
+                                 stopping_criteria=crit, num_speculative_tokens=4, sparse_attn_min_tokens=16,
+                                 block_size=4).sequences
+    assert torch.equal(got, want), first_diff(got, want)
+    for name in ("logits_processor", "stopping_criteria"):
+        with pytest.raises(ValueError, match=rf"{name} must be callable"):
+            vegas_ext.generate(llama, ids, mask, max_new_tokens=2, **{name: 3})

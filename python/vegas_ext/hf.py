@@ -25,6 +25,9 @@ With no active state (ordinary ``model(...)`` / ``model.generate`` on a patched 
 goes to transformers' own ``sdpa`` attention with its usual mask: results equal the unpatched
 model's.
 
+:func:`generate` is the decode loop for HF's own ``model.generate(..., custom_generate=
+vegas_ext.hf.generate)`` and ``pipeline("text-generation")`` (see ``docs/hf_generate.md``).
+
 Supported: ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama), ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``. Sliding-window configs are refused unless the window
 covers the needed context. Method: Vegas, arXiv 2602.07223.

@@ -1,0 +1,97 @@
+"""Overhead of ``model.generate(custom_generate=vegas_ext.hf.generate)`` against calling
+``vegas_ext.generate`` directly, same prompts and options (issue 31; target: within 3 %).
+
+For each context x batch it decodes the same greedy continuation both ways, interleaved
+(direct, HF, direct, HF, ...) so machine noise hits both alike, and reports the median wall
+time of each and their ratio; the sequences must be identical. Both paths share one
+``prefill_cache`` (the prompt's K/V are computed once, then copied), so the times are the
+decode loop plus each path's own preparation -- what going through HF adds.
+
+Usage: ``python bench/hf_generate_overhead.py --contexts 2048 8192 --batches 1 4 --new 16 --repeats 3
+--out bench/results/hf_generate_overhead.jsonl``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import vegas_ext
+from vegas_ext import documents, hf, models
+
+from common import add_pack_linears_flag, pack_linears, run_metadata, sync, write_rows, ROOT
+
+DOCS = ["default", "python_docs"]
+
+
+def _gamma(s: str):
+    return s if s == "auto" else int(s)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--new", type=int, default=16, help="new tokens per row")
+    ap.add_argument("--gamma", type=_gamma, default=4, help="num_speculative_tokens (an int, or auto)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (after one warm-up each)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hf_generate_overhead.jsonl"))
+    add_pack_linears_flag(ap)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    model, tok = models.load_model()
+    packed = pack_linears(model, args.pack_linears)
+    meta = run_metadata("cpu")
+    names = [d for d in DOCS if d in documents.list_documents()] or documents.list_documents()[:1]
+    opts = dict(num_speculative_tokens=args.gamma)
+    rows_out = []
+    for ctx in args.contexts:
+        for B in args.batches:
+            rows = [documents.make_prompt_ids(tok, names[b % len(names)], ctx) for b in range(B)]
+            ids = torch.tensor(rows, dtype=torch.long)
+            mask = torch.ones_like(ids)
+            pc: dict = {}
+            pad = tok.pad_token_id  # EOS ids: the model's generation config on both paths
+
+            def direct():
+                with torch.inference_mode():
+                    return vegas_ext.generate(model, ids, mask, max_new_tokens=args.new, pad_token_id=pad,
+                                              prefill_cache=pc, **opts).sequences
+
+            def via_hf():
+                with torch.inference_mode():
+                    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
+                                          do_sample=False, pad_token_id=pad, custom_generate=hf.generate,
+                                          prefill_cache=pc, **opts)
+
+            a, b = direct(), via_hf()  # warm-up (fills the prefill cache)
+            same = bool(torch.equal(a, b))
+            t = {"direct": [], "hf": []}
+            for _ in range(args.repeats):
+                for name, fn in (("direct", direct), ("hf", via_hf)):
+                    sync("cpu")
+                    t0 = time.perf_counter()
+                    fn()
+                    sync("cpu")
+                    t[name].append(time.perf_counter() - t0)
+            md, mh = statistics.median(t["direct"]), statistics.median(t["hf"])
+            row = {"context": ctx, "batch": B, "new_tokens": args.new, "gamma": args.gamma, "dtype": "float32",
+                   "threads": torch.get_num_threads(), "packed_linears": packed, "identical": same,
+                   "direct_s": t["direct"], "hf_s": t["hf"], "median_direct_s": md, "median_hf_s": mh,
+                   "ratio_hf_over_direct": mh / md, **meta}
+            rows_out.append(row)
+            print(json.dumps({k: row[k] for k in ("context", "batch", "identical", "median_direct_s", "median_hf_s",
+                                                  "ratio_hf_over_direct")}), flush=True)
+    write_rows(Path(args.out), rows_out)
+
+
+if __name__ == "__main__":
+    main()
