@@ -718,13 +718,14 @@ def generate(
             (left padding kept), its emitted tokens, then the drafts before the position. Greedy
             takes the argmax of the processed scores; sampling draws from the softmax of the
             processed scores (then ``temperature`` / ``top_k`` / ``top_p``) for both the draft and
-            the target distributions, so the output follows the processed target. It must act
-            on each row alone (it is called on groups of rows with equal lengths) and be a
-            function of its inputs. ``None`` (default): no per-position work at all.
+            the target distributions, so the output follows the processed target. It is called
+            with the caller's whole batch, rows of other lengths holding filler: a row's result
+            must depend on that row only (its batch index may matter), and on the inputs only
+            (no state carried from call to call). ``None`` (default): no per-position work.
         stopping_criteria: optional HF-style ``(input_ids [n, L], scores=None) -> bool [n]`` (e.g.
             a ``transformers.StoppingCriteriaList``: stop strings, max time) checked after each
             emitted token with the row's ``input_ids`` as above; a row ends after the first token
-            at which it says done (the token is kept), like plain decoding. Row-wise, as above.
+            at which it says done (the token is kept), like plain decoding. Same contract as above.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any

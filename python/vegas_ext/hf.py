@@ -457,11 +457,16 @@ def _check_generation_config(gc, hf_call: dict, logits_processor, model_kwargs) 
         _refuse("synced_gpus=True", "single-process decoding")
     if getattr(gc, "guidance_scale", None) not in (None, 1, 1.0):
         _refuse(f"guidance_scale={gc.guidance_scale}", "classifier-free guidance runs its own model calls per step")
-    from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+    from transformers.generation.logits_process import (
+        SynthIDTextWatermarkLogitsProcessor,
+        UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    )
 
     for proc in logits_processor or ():
         if isinstance(proc, UnbatchedClassifierFreeGuidanceLogitsProcessor):
             _refuse("negative_prompt_ids / guidance_scale", "classifier-free guidance runs its own model calls per step")
+        if isinstance(proc, SynthIDTextWatermarkLogitsProcessor):
+            _refuse("watermarking_config (SynthID)", "its state assumes one call per generated token")
     if model_kwargs.get("inputs_embeds") is not None:
         _refuse("inputs_embeds", "the loop decodes from input_ids")
     for name in ("cache", "past_key_values"):
@@ -587,7 +592,7 @@ def generate(
         ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit``,
         ``output_scores`` / ``output_logits`` / ``output_attentions`` / ``output_hidden_states``
         with ``return_dict_in_generate``, ``synced_gpus``, ``guidance_scale`` /
-        ``negative_prompt_ids``, ``inputs_embeds``, a filled ``past_key_values`` / ``cache``, other model inputs, stopping
+        ``negative_prompt_ids``, a SynthID ``watermarking_config``, ``inputs_embeds``, a filled ``past_key_values`` / ``cache``, other model inputs, stopping
         criteria that end rows early in a batch without an EOS id (plain decoding then keeps
         generating those rows), a streamer with batch size > 1; and the errors of
         :func:`vegas_ext.generate` (unsupported model, right padding, out-of-range options).
