@@ -612,8 +612,10 @@ def generate(
 
     B, T = input_ids.shape
     gc = generation_config
-    eos_t, pad_t = getattr(gc, "_eos_token_tensor", None), getattr(gc, "_pad_token_tensor", None)
-    eos = [] if eos_t is None else [int(x) for x in eos_t.flatten().tolist()]
+    # HF's generate resolved these (pad: else the first EOS); a direct call reads the config's
+    eos_t = getattr(gc, "_eos_token_tensor", gc.eos_token_id)
+    pad_t = getattr(gc, "_pad_token_tensor", gc.pad_token_id)
+    eos = [] if eos_t is None else [int(x) for x in torch.as_tensor(eos_t).flatten().tolist()]
     pad = None if pad_t is None else int(pad_t)
     max_length = int(gc.max_length)
     criteria = _needed_criteria(stopping_criteria, max_length, eos)
