@@ -3,7 +3,9 @@
 
 For each context x batch it decodes the same greedy continuation both ways, interleaved
 (direct, HF, direct, HF, ...) so machine noise hits both alike, and reports the median wall
-time of each and their ratio; the sequences must be identical. Both paths share one
+time of each and their ratio; the sequences must be identical. It also times what the HF path
+spends outside the loop (``hf_path_cost_ms``: the call with the loop stubbed out), the part of the
+ratio that long decodes on a shared machine cannot resolve. Both paths share one
 ``prefill_cache`` (the prompt's K/V are computed once, then copied), so the times are the
 decode loop plus each path's own preparation -- what going through HF adds.
 
@@ -33,6 +35,28 @@ def _gamma(s: str):
     return s if s == "auto" else int(s)
 
 
+def hf_path_cost(model, ids, mask, pad, new, opts, repeats: int = 20) -> float:
+    """Median seconds that ``model.generate(custom_generate=hf.generate)`` spends outside the decode
+    loop (HF's input preparation, processors / criteria construction, hf.generate's checks): the
+    same call with the loop replaced by a stub that returns the prompt. Noise-free, unlike the
+    difference of two long decodes on a shared machine."""
+    from vegas_ext import decode
+
+    real = decode.generate
+    decode.generate = lambda model, input_ids, *a, **k: decode.GenerateOutput(sequences=input_ids)
+    try:
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                               pad_token_id=pad, custom_generate=hf.generate, **opts)
+            times.append(time.perf_counter() - t0)
+    finally:
+        decode.generate = real
+    return statistics.median(times[2:])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
@@ -41,6 +65,7 @@ def main():
     ap.add_argument("--gamma", type=_gamma, default=4, help="num_speculative_tokens (an int, or auto)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (after one warm-up each)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prep-only", action="store_true", help="only the HF path's cost outside the loop (fast)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hf_generate_overhead.jsonl"))
     add_pack_linears_flag(ap)
     args = ap.parse_args()
@@ -72,6 +97,12 @@ def main():
                                           do_sample=False, pad_token_id=pad, custom_generate=hf.generate,
                                           prefill_cache=pc, **opts)
 
+            prep = hf_path_cost(model, ids, mask, pad, args.new, opts)
+            print(json.dumps({"context": ctx, "batch": B, "hf_path_cost_ms": prep * 1e3}), flush=True)
+            if args.prep_only:
+                rows_out.append({"context": ctx, "batch": B, "hf_path_cost_ms": prep * 1e3, **meta})
+                write_rows(Path(args.out), rows_out)
+                continue
             a, b = direct(), via_hf()  # warm-up (fills the prefill cache)
             same = bool(torch.equal(a, b))
             t = {"direct": [], "hf": []}
@@ -86,6 +117,7 @@ def main():
             row = {"context": ctx, "batch": B, "new_tokens": args.new, "gamma": args.gamma, "dtype": "float32",
                    "threads": torch.get_num_threads(), "packed_linears": packed, "identical": same,
                    "direct_s": t["direct"], "hf_s": t["hf"], "median_direct_s": md, "median_hf_s": mh,
+                   "hf_path_cost_ms": prep * 1e3,
                    "ratio_hf_over_direct": mh / md, **meta}
             rows_out.append(row)
             print(json.dumps({k: row[k] for k in ("context", "batch", "identical", "median_direct_s", "median_hf_s",
