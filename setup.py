@@ -115,6 +115,7 @@ def build_ext_cls():
 
 setup(
     packages=find_packages("python"),
+    py_modules=["vegas_ext_cli"],  # the `vegas` console script (see pyproject.toml)
     package_dir={"": "python"},
     ext_modules=get_extensions(),
     cmdclass={"build_ext": build_ext_cls()},

@@ -286,11 +286,12 @@ def _subprocess_env(tmp_path):
 
 
 def test_help_and_argument_errors_do_not_import_torch(tmp_path):
-    """`vegas generate --help` and a bad flag answer before torch / transformers are imported."""
-    probe = ("import sys, time; t = time.perf_counter(); from vegas_ext import cli\n"
+    """`vegas generate --help` and a bad flag answer before torch / transformers are imported: the
+    console script (`vegas_ext_cli:main`) runs vegas_ext.cli without importing the package."""
+    probe = ("import sys, time; t = time.perf_counter(); import vegas_ext_cli\n"
              "for argv in (['generate', '--help'], ['generate', '--ratio', '0'], ['generate', '--frobnicate'],\n"
              "             ['generate', '--algorithm', 'magic'], ['generate', '--dtype', 'int3']):\n"
-             "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+             "    try:\n        vegas_ext_cli.main(argv)\n    except SystemExit:\n        pass\n"
              "print('SECONDS', time.perf_counter() - t, 'HEAVY',\n"
              "      sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_subprocess_env(tmp_path),
@@ -304,7 +305,7 @@ def test_help_and_argument_errors_do_not_import_torch(tmp_path):
 
 def test_help_subprocess_is_fast(tmp_path):
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "vegas_ext", "generate", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "vegas_ext_cli", "generate", "--help"], capture_output=True, text=True,
                        env=_subprocess_env(tmp_path), timeout=120)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 0 and "--num-speculative-tokens" in r.stdout and "--json-prompt-ids" in r.stdout
@@ -322,17 +323,34 @@ def test_algorithm_list_matches_the_registry():
     assert tuple(public) == cli.ALGORITHMS
 
 
-def test_package_import_is_lazy_and_complete(tmp_path):
-    """`import vegas_ext` loads nothing heavy; `from vegas_ext import generate` still works and sees
-    every algorithm; touching a torch-side attribute registers the compiled ops."""
-    probe = ("import sys; import vegas_ext; assert 'torch' not in sys.modules\n"
+def test_package_import_loads_the_ops_and_stays_complete(tmp_path):
+    """`import vegas_ext` makes every torch.ops.vegas op callable (issue 31) but loads no transformers;
+    `from vegas_ext import generate` still works and sees every algorithm."""
+    probe = ("import sys, torch; import vegas_ext\n"
+             "names = sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith('vegas::'))\n"
+             "print(names, all(callable(getattr(torch.ops.vegas, n)) for n in names), 'transformers' in sys.modules)\n"
              "from vegas_ext import generate, GenerateOutput, reference\n"
-             "import torch; from vegas_ext.decode import SELECTION_ALGORITHMS\n"
-             "print(sorted(SELECTION_ALGORITHMS), callable(generate), hasattr(torch.ops.vegas, 'block_topk'))")
+             "from vegas_ext.decode import SELECTION_ALGORITHMS\n"
+             "print(sorted(SELECTION_ALGORITHMS), callable(generate))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_subprocess_env(tmp_path),
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "['full', 'quest', 'streamingllm', 'vegas'] True True"
+    ops_line, algos_line = r.stdout.strip().splitlines()[-2:]
+    names, rest = ops_line.rsplit("]", 1)
+    assert rest.split() == ["True", "False"], ops_line  # every op callable; transformers not loaded
+    assert {"block_minmax_update", "block_topk", "paged_block_scores", "quest_block_scores", "sparse_draft_attention",
+            "verify_attention"} <= set(eval(names + "]")), ops_line
+    assert algos_line == "['full', 'quest', 'streamingllm', 'vegas'] True"
+
+
+def test_console_script_is_the_launcher():
+    """The installed `vegas` command is the launcher that parses before importing the package."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"vegas": "vegas_ext_cli:main"}
 
 
 def test_progress_in_a_log_file_has_no_carriage_returns(tiny_model_dir, capsys):

@@ -69,4 +69,4 @@ def test_ops_name_a_missing_tensor():
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         ops.verify_attention(None, k, k, torch.tensor([4], dtype=torch.int32), 1, 0.25)
     with pytest.raises(TypeError, match="num_candidates must be a torch.Tensor"):
-        ops.block_topk(torch.zeros(1, 1, 4), torch.ones(1, 1, dtype=torch.int32), 3, 2, 0)
+        ops.block_topk(torch.zeros(1, 1, 4), torch.ones(1, dtype=torch.int32), None, 2, 0)  # (an int is one per row)

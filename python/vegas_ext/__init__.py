@@ -9,13 +9,17 @@ Ops (``torch.ops.vegas.*``, typed wrappers in :mod:`vegas_ext.ops`):
 Decoding: :func:`generate` (returns a :class:`GenerateOutput`). CPU speed: :func:`pack_linear_weights`
 (the model's fp32 linears on weights packed once for oneDNN).
 
-Importing the package is cheap: torch, transformers and the compiled ops load on first use of
-an attribute (``vegas_ext.generate``, ``vegas_ext.ops``, ``from vegas_ext import reference``, ...),
-so ``vegas --help`` answers at once. Touching any torch-side attribute loads the compiled ops
-(``torch.ops.vegas.*``); ``generate``, ``GenerateOutput``, ``decode`` and ``selection`` also
-register the rival selection algorithms (``"streamingllm"``, ``"quest"``).
+Importing the package loads torch and the compiled ops, so every ``torch.ops.vegas.*`` op is
+callable right after ``import vegas_ext`` (the convention of PyTorch C++ extensions). transformers
+and the decode loop load on first use of an attribute (``vegas_ext.generate``, ``vegas_ext.hf``,
+...); ``generate``, ``GenerateOutput``, ``decode`` and ``selection`` also register the rival
+selection algorithms (``"streamingllm"``, ``"quest"``). The ``vegas`` console script
+(:mod:`vegas_ext_cli`) parses its arguments before this package is imported, so ``vegas --help``
+answers at once.
 """
 import importlib
+
+from . import ops  # registers torch.ops.vegas.* (loads torch and the compiled library)
 
 __version__ = "0.1.0"
 
@@ -29,8 +33,8 @@ _EXPORTS = {
     "pack_linear_weights": "packed_linear",
     "unpack_linear_weights": "packed_linear",
 }
-# submodules that need the compiled ops loaded first (everything torch-side)
-_TORCH_SUBMODULES = {"ops", "reference", "cache", "hf", "decode", "selection"}
+# submodules loaded on first use (the ops are loaded above)
+_TORCH_SUBMODULES = {"reference", "cache", "hf", "decode", "selection"}
 # names whose use must also see every selection algorithm registered
 _NEEDS_ALL_ALGORITHMS = {"generate", "GenerateOutput", "decode", "selection"}
 
@@ -39,11 +43,10 @@ __all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_a
 
 
 def __getattr__(name):
-    """Loads the torch-side parts on first use (PEP 562); see the module docstring."""
+    """Loads the transformers-side parts on first use (PEP 562); see the module docstring."""
     module = _EXPORTS.get(name, name if name in _TORCH_SUBMODULES else None)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    importlib.import_module(".ops", __name__)  # registers torch.ops.vegas.* (and imports reference)
     mod = importlib.import_module("." + module, __name__)
     if name in _NEEDS_ALL_ALGORITHMS:
         importlib.import_module(".selection", __name__)  # registers "streamingllm" and "quest"

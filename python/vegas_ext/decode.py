@@ -110,6 +110,10 @@ class DecodeState:
         selected: whether ``attn.block_indices`` were chosen after the latest verification.
         scores_fresh: whether the latest verification stored block scores (plain steps do not).
         streamer: optional HF streamer (batch size 1).
+        logits_processor, stopping_criteria: optional HF-style ``(input_ids [n, L], scores) -> ...``
+            callables applied per position as plain decoding applies them (:meth:`process`,
+            :meth:`stop_positions`); ``prompt_ids``: ``[B0, T]`` the caller's prompts as given, the
+            start of the ``input_ids`` they see.
     """
 
     model: object
@@ -138,6 +142,9 @@ class DecodeState:
     scores_fresh: bool = True
     streamer: object = None
     draft_weights: object = None  # a DraftWeights: the draft forwards' low-precision linears
+    logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None
+    stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None
+    prompt_ids: Optional[Tensor] = None
 
     def forward(self, ids: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One model forward over ``ids`` ``[B, Q]`` at positions ``pos`` into the cache; returns
@@ -146,6 +153,51 @@ class DecodeState:
                          **{self.fwd_kw: self.cache})
         self.attn.check_forward(len(self.cache.layers))  # every layer ran through our attention
         return out.logits
+
+    def prefixes(self, ahead: Tensor, mask: Optional[Tensor] = None):
+        """Yields ``(sel, pos, ids)`` per group of current rows (those in ``mask``, default all) with
+        equal token counts ``n``: ``sel`` the rows' batch indices, ``pos`` their caller's rows, and
+        ``ids`` ``[B0, T + n + A]`` the caller's whole batch as plain decoding would hold it, the
+        group's rows exact (prompt as given, emitted tokens, then ``ahead[sel]`` ``[., A]``), the
+        other rows filler. The whole batch, because HF's processors may hold per-row state
+        indexed by batch position (e.g. the repetition penalty's left-padding lengths)."""
+        key = self.n_gen if mask is None else torch.where(mask, self.n_gen, -1)
+        T, A = self.prompt_ids.shape[1], ahead.shape[1]
+        for n in torch.unique(key).tolist():
+            if n >= 0:
+                sel = (key == n).nonzero()[:, 0]
+                pos = self.rows[sel]
+                ids = torch.cat([self.prompt_ids, self.new_tokens[:, :n], ahead.new_zeros(len(self.prompt_ids), A)], 1)
+                ids[pos, T + n:] = ahead[sel]
+                yield sel, pos, ids
+
+    def process(self, logits: Tensor, ahead: Tensor) -> Tensor:
+        """``logits`` ``[B, Q, V]`` of each row's next ``Q`` positions, position ``i`` following the
+        row's tokens and ``ahead[:, :A - Q + 1 + i]`` (``A = ahead.shape[1]``), after
+        ``logits_processor`` with each position's own prefix (float32, as HF's ``generate`` and
+        assisted decoding apply processors). Returns ``logits`` itself when there is none."""
+        if self.logits_processor is None:
+            return logits
+        Q, V = logits.shape[1], logits.shape[2]
+        out = logits.to(torch.float32, copy=True)
+        a0 = ahead.shape[1] - Q + 1
+        for i in range(Q):
+            for sel, pos, ids in self.prefixes(ahead[:, : a0 + i]):
+                full = out.new_zeros((ids.shape[0], V))
+                full[pos] = out[sel, i]
+                out[sel, i] = self.logits_processor(ids, full)[pos]
+        return out
+
+    def stop_positions(self, cand: Tensor, count: Tensor) -> Tensor:
+        """``[B]`` int64: per row the first ``k`` in ``1..count[b]`` after whose token (``cand[b, k-1]``,
+        following the row's tokens) ``stopping_criteria`` say the row is done, else 0."""
+        stop = torch.zeros_like(count)
+        for k in range(1, int(count.max()) + 1):
+            todo = (count >= k) & (stop == 0)
+            for sel, pos, ids in self.prefixes(cand[:, :k], todo):
+                done = self.stopping_criteria(ids, None)[pos].to(stop.device)
+                stop[sel[done]] = k
+        return stop
 
     def sample_or_argmax(self, logits: Tensor):
         """``(token [B], warped probabilities [B, V] or None)`` of ``logits`` ``[B, V]``."""
@@ -184,12 +236,14 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
     cache.begin_forward(n0)
     logits = state.forward(aligned.gather(1, idx0), idx0, 1)[:, -1]
     cache.commit(prompt_lens)
-    first, _ = state.sample_or_argmax(logits)
+    state.rows = torch.arange(B, device=device)
+    state.n_gen = torch.zeros(B, dtype=torch.long, device=device)
+    first, _ = state.sample_or_argmax(state.process(logits[:, None], aligned[:, :0])[:, 0])
+    stopped = state.n_gen if state.stopping_criteria is None else state.stop_positions(first[:, None], state.n_gen + 1)
     state.new_tokens[:, 0] = first
     state.n_gen = torch.ones(B, dtype=torch.long, device=device)
     state.n_gen_all = state.n_gen.clone()
-    state.rows = torch.arange(B, device=device)
-    state.done = (state.n_gen >= state.limit_new) | torch.isin(first, state.eos)
+    state.done = (state.n_gen >= state.limit_new) | torch.isin(first, state.eos) | (stopped > 0)
     state.last_tok = first
     state.tail_start = pre.to(torch.int32)
     if state.streamer is not None:
@@ -391,8 +445,8 @@ def draft(state: DecodeState, g: int):
     with lowp:  # the draft's linears on the low-precision copy; verification keeps the model's own
         for j in range(g):
             state.cache.begin_forward(1, offset=j)
-            lg = state.forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None], 1)[:, -1]
-            tok, qj = state.sample_or_argmax(lg)
+            lg = state.forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None], 1)
+            tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j])[:, -1])
             if q is not None:
                 q[:, j] = qj
             drafts[:, j] = tok
@@ -425,6 +479,7 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True) -> Tensor:
 
 def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tensor):
     """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``."""
+    logits = state.process(logits, drafts)
     if state.do_sample:
         return speculative_accept(drafts, q, probs(logits, state.warpers), state.generator)
     return greedy_accept(drafts, logits)
@@ -449,6 +504,10 @@ def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
     has_eos = hit.any(1)
     count = torch.where(has_eos, hit.long().argmax(1) + 1, count)
     count = torch.where(active, count, torch.zeros_like(count))
+    if state.stopping_criteria is not None:  # a row ends after the token the criteria stop at
+        stop = state.stop_positions(cand, count)
+        has_eos = has_eos | (stop > 0)
+        count = torch.where(stop > 0, stop, count)
     finished = active & (has_eos | (count >= rem))
     wmask = ar[None, :] < count[:, None]
     rows, cols = wmask.nonzero(as_tuple=True)
@@ -708,6 +767,8 @@ def generate(
     return_cache: bool = False,
     prefill_cache: Optional[dict] = None,
     draft_weights: Optional[str] = None,
+    logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+    stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None,
 ) -> GenerateOutput:
     """Generate with Vegas self-speculative decoding (arXiv 2602.07223) on a HF causal LM.
 
@@ -799,6 +860,21 @@ def generate(
             ``"int4"`` is refused (too inaccurate on the models measured). CUDA: both use a float16
             copy. ``stats["draft_weights_bytes"]``: the copy's memory. See
             :mod:`vegas_ext.draft_weights`.
+        logits_processor: optional HF-style ``(input_ids [n, L] int64, scores [n, V] float32) ->
+            scores`` (e.g. a ``transformers.LogitsProcessorList``) applied, as plain decoding
+            applies it, to the target logits of every verified position and to every draft
+            step, each with that position's own ``input_ids``: the row's prompt exactly as given
+            (left padding kept), its emitted tokens, then the drafts before the position. Greedy
+            takes the argmax of the processed scores; sampling draws from the softmax of the
+            processed scores (then ``temperature`` / ``top_k`` / ``top_p``) for both the draft and
+            the target distributions, so the output follows the processed target. It is called
+            with the caller's whole batch, rows of other lengths holding filler: a row's result
+            must depend on that row only (its batch index may matter), and on the inputs only
+            (no state carried from call to call). ``None`` (default): no per-position work.
+        stopping_criteria: optional HF-style ``(input_ids [n, L], scores=None) -> bool [n]`` (e.g.
+            a ``transformers.StoppingCriteriaList``: stop strings, max time) checked after each
+            emitted token with the row's ``input_ids`` as above; a row ends after the first token
+            at which it says done (the token is kept), like plain decoding. Same contract as above.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
@@ -875,6 +951,9 @@ def generate(
     _check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
     check_draft_weights(draft_weights)
+    for name, fn in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be callable (input_ids, scores) or None, got {type(fn).__name__}")
     if block_size is None:
         block_size = SELECTION_ALGORITHMS[sparse_attn_algorithm].default_block_size
     input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
@@ -971,6 +1050,7 @@ def generate(
             sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), limit_new=limit_new,
             new_tokens=torch.full((B, n_cap), pad_token_id, dtype=torch.long, device=device),
             streamer=streamer, compact=not return_cache, draft_weights=dw,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, prompt_ids=input_ids,
         )
         with attn.activate(), _torn_down(strategy, attn):
             strategy.setup(attn)  # inside: teardown runs however the call ends

@@ -25,6 +25,9 @@ With no active state (ordinary ``model(...)`` / ``model.generate`` on a patched 
 goes to transformers' own ``sdpa`` attention with its usual mask: results equal the unpatched
 model's.
 
+:func:`generate` is the decode loop for HF's own ``model.generate(..., custom_generate=
+vegas_ext.hf.generate)`` and ``pipeline("text-generation")`` (see ``docs/hf_generate.md``).
+
 Supported: ``LlamaForCausalLM`` (SmolLM2, Llama 2/3, TinyLlama), ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``MistralForCausalLM``. Sliding-window configs are refused unless the window
 covers the needed context. Method: Vegas, arXiv 2602.07223.
@@ -33,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
@@ -41,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -58,6 +64,8 @@ __all__ = [
     "patched",
     "vegas_attention_forward",
     "vegas_attention_mask",
+    "generate",
+    "VegasGenerateOutput",
 ]
 
 ATTN_IMPLEMENTATION = "vegas"
@@ -454,3 +462,293 @@ def patched(model, max_context: Optional[int] = None):
                     _restore(model)
                 if hasattr(model, _RESTORE_ATTR):
                     delattr(model, _RESTORE_ATTR)
+
+
+# --------------------------------------------------------------------------- model.generate(custom_generate=...)
+@dataclass
+class VegasGenerateOutput(GenerateDecoderOnlyOutput):
+    """What :func:`generate` returns under ``return_dict_in_generate=True``: HF's
+    ``GenerateDecoderOnlyOutput`` with ``sequences`` ``[B, T + n]`` int64 and ``stats``, the dict of
+    :func:`vegas_ext.generate` (acceptance counters, timings, configuration). ``scores``,
+    ``logits``, ``attentions``, ``hidden_states`` and ``cache`` stay ``None``."""
+
+    stats: Optional[dict] = None
+
+
+#: model kwargs HF's ``generate`` prepares for a decoding loop; anything else is refused
+_PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "logits_to_keep", "use_cache", "cache",
+                          "past_key_values", "cache_position")
+
+
+def _refuse(option: str, why: str):
+    raise ValueError(f"vegas_ext.hf.generate: {option} is not supported ({why})")
+
+
+def _hf_generate_call() -> dict:
+    """Locals of the HF ``GenerationMixin.generate`` that called :func:`generate`, or ``{}``.
+
+    transformers passes a callable ``custom_generate`` neither the ``streamer`` nor the
+    ``assistant_model`` given to ``model.generate`` (its ``_extract_generation_mode_kwargs`` keeps
+    only the callable's own extra arguments), so they are read from that call's frame: the
+    streamer to be honoured, the assistant model to be refused rather than silently ignored."""
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back if frame.f_code.co_filename == __file__ else None
+    return dict(frame.f_locals) if frame is not None else {}
+
+
+class _AfterPrompt:
+    """A streamer that drops the first ``put`` (the prompt, which HF's ``generate`` already sent)."""
+
+    def __init__(self, inner):
+        self.inner, self.first = inner, True
+
+    def put(self, value):
+        if self.first:
+            self.first = False
+            return
+        self.inner.put(value)
+
+    def end(self):
+        self.inner.end()
+
+
+def _check_generation_config(gc, hf_call: dict, logits_processor, model_kwargs) -> None:
+    """``ValueError`` naming the first option :func:`generate` cannot honour exactly."""
+    if getattr(gc, "num_beams", 1) not in (None, 1):
+        _refuse(f"num_beams={gc.num_beams}", "beam search; use num_beams=1")
+    if (getattr(gc, "num_beam_groups", 1) or 1) > 1:
+        _refuse(f"num_beam_groups={gc.num_beam_groups}", "diverse beam search")
+    if getattr(gc, "penalty_alpha", None) is not None and (gc.top_k or 0) > 1:
+        _refuse(f"penalty_alpha={gc.penalty_alpha}", "contrastive search")
+    if getattr(gc, "dola_layers", None) is not None:
+        _refuse(f"dola_layers={gc.dola_layers!r}", "DoLa decoding")
+    if hf_call.get("assistant_model") is not None:
+        _refuse("assistant_model", "Vegas drafts with the model itself")
+    for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+        if getattr(gc, name, None) is not None:
+            _refuse(f"{name}={getattr(gc, name)}", "Vegas drafts with the model itself")
+    if gc.return_dict_in_generate:
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            if getattr(gc, name, False):
+                _refuse(f"{name}=True", "the loop verifies several tokens per forward; sequences and stats are returned")
+    if hf_call.get("synced_gpus"):
+        _refuse("synced_gpus=True", "single-process decoding")
+    if getattr(gc, "guidance_scale", None) not in (None, 1, 1.0):
+        _refuse(f"guidance_scale={gc.guidance_scale}", "classifier-free guidance runs its own model calls per step")
+    from transformers.generation.logits_process import (
+        SynthIDTextWatermarkLogitsProcessor,
+        UnbatchedClassifierFreeGuidanceLogitsProcessor,
+    )
+
+    for proc in logits_processor or ():
+        if isinstance(proc, UnbatchedClassifierFreeGuidanceLogitsProcessor):
+            _refuse("negative_prompt_ids / guidance_scale", "classifier-free guidance runs its own model calls per step")
+        if isinstance(proc, SynthIDTextWatermarkLogitsProcessor):
+            _refuse("watermarking_config (SynthID)", "its state assumes one call per generated token")
+    if model_kwargs.get("inputs_embeds") is not None:
+        _refuse("inputs_embeds", "the loop decodes from input_ids")
+    for name in ("cache", "past_key_values"):
+        c = model_kwargs.get(name)
+        if c is not None and hasattr(c, "get_seq_length") and int(c.get_seq_length()) > 0:
+            _refuse(f"{name} (a filled cache)", "decoding starts from the prompt; pass the whole prompt instead")
+    other = sorted(k for k, v in model_kwargs.items() if k not in _PREPARED_MODEL_KWARGS and v is not None)
+    if other:
+        _refuse(", ".join(other), "model inputs other than input_ids / attention_mask")
+
+
+def _plain_warpers(procs):
+    """``(temperature, top_k, top_p)`` when ``procs`` are exactly the warpers
+    :func:`vegas_ext.acceptance.make_warpers` builds (HF's classes, in HF's order, default filter
+    value and ``min_tokens_to_keep``), else ``None``. Then the loop applies them itself, with no
+    per-position processor calls."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    t, k, p, stage = 1.0, 0, 1.0, 0
+    for w in procs:
+        plain = getattr(w, "filter_value", -float("inf")) == -float("inf") and getattr(w, "min_tokens_to_keep", 1) == 1
+        if type(w) is TemperatureLogitsWarper and stage < 1:
+            t, stage = float(w.temperature), 1
+        elif type(w) is TopKLogitsWarper and stage < 2 and plain:
+            k, stage = int(w.top_k), 2
+        elif type(w) is TopPLogitsWarper and stage < 3 and plain:
+            p, stage = float(w.top_p), 3
+        else:
+            return None
+    return t, k, p
+
+
+def _needed_criteria(stopping_criteria, max_length: int, eos: List[int]):
+    """``stopping_criteria`` without the max-length and EOS criteria the loop applies itself
+    (``None`` when nothing else is left, so the loop does no per-token checks)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    rest = StoppingCriteriaList()
+    for c in stopping_criteria or ():
+        if isinstance(c, MaxLengthCriteria) and c.max_length >= max_length:
+            continue  # ends no row before max_new_tokens does
+        if isinstance(c, EosTokenCriteria) and set(c.eos_token_id.flatten().tolist()) <= set(eos):
+            continue
+        rest.append(c)
+    return rest if len(rest) else None
+
+
+def generate(
+    model,
+    input_ids: Tensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    synced_gpus: bool = False,
+    streamer=None,
+    *,
+    num_speculative_tokens=None,
+    max_speculative_tokens: Optional[int] = None,
+    sparse_attn_algorithm: Optional[str] = None,
+    sparse_attn_ratio: Optional[float] = None,
+    sparse_attn_min_tokens: Optional[int] = None,
+    sparse_attn_max_tokens: Optional[int] = None,
+    block_size: Optional[int] = None,
+    num_sink_blocks: Optional[int] = None,
+    share_selection_across_heads: Optional[bool] = None,
+    query_weights: Optional[str] = None,
+    selection_refresh_interval: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    prefill_cache: Optional[dict] = None,
+    vegas_options: Optional[dict] = None,
+    stop_strings=None,
+    tokenizer=None,
+    **model_kwargs,
+):
+    """Vegas as the decoding loop of HF's own ``generate``: pass it as ``custom_generate``.
+
+    ::
+
+        out = model.generate(**inputs, custom_generate=vegas_ext.hf.generate, max_new_tokens=64,
+                             num_speculative_tokens="auto", sparse_attn_algorithm="vegas")
+        pipe = pipeline("text-generation", model=model, tokenizer=tok)
+        pipe(prompt, custom_generate=vegas_ext.hf.generate, max_new_tokens=64)
+
+    HF prepares everything as for plain decoding (generation config, left padding and attention
+    mask, logits processors, stopping criteria, the streamer's prompt) and calls this function,
+    which runs :func:`vegas_ext.generate` -- the same loop, no second implementation -- with:
+    ``max_new_tokens = generation_config.max_length - T`` (``T`` = the padded prompt width, as
+    HF counts it), the generation config's EOS ids and pad id, ``do_sample``, HF's logits
+    processors (repetition penalty, no-repeat n-gram, min length / min new tokens, bad words,
+    suppress tokens, sequence bias, ... and, when sampling, its temperature / top-k / top-p /
+    min-p warpers) applied at every verified and drafted position with that position's own
+    ``input_ids``, and HF's stopping criteria (``stop_strings``, ``max_time``, custom ones)
+    checked after every emitted token. Greedy output equals plain ``model.generate`` token for
+    token in float32; sampling follows the distribution of plain sampling with the same options.
+
+    Args:
+        model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+            streamer: as HF's ``generate`` passes them to a decoding loop (``input_ids`` ``[B, T]``
+            int64, left padded; the streamer is read from the calling ``generate`` when HF does
+            not pass it, batch size 1).
+        num_speculative_tokens, max_speculative_tokens, sparse_attn_algorithm, sparse_attn_ratio,
+            sparse_attn_min_tokens, sparse_attn_max_tokens, block_size, num_sink_blocks,
+            share_selection_across_heads, query_weights, selection_refresh_interval, generator,
+            prefill_cache: the options of :func:`vegas_ext.generate`, given to ``model.generate``
+            as extra keyword arguments; ``None`` = :func:`vegas_ext.generate`'s default.
+        vegas_options: any other keyword arguments of :func:`vegas_ext.generate`, as a dict.
+        stop_strings, tokenizer: HF's stop strings (``str`` or list), checked as plain decoding
+            checks them (``StopStringCriteria``). transformers passes a callable
+            ``custom_generate`` neither the ``tokenizer`` given to ``model.generate`` nor the
+            pipeline's, so bind it: ``custom_generate=functools.partial(vegas_ext.hf.generate,
+            tokenizer=tok)``; ``stop_strings`` (or a pipeline's ``stop_sequence``) then reach this
+            function instead of HF's own check, which would fail without the tokenizer.
+        **model_kwargs: what HF prepared (``attention_mask``, ``position_ids``, an empty cache, ...).
+
+    Returns:
+        ``sequences`` ``[B, T + n]`` int64 (prompt as given, new tokens, ``pad_token_id`` after a
+        row's end), or with ``return_dict_in_generate=True`` a :class:`VegasGenerateOutput`
+        (``sequences`` and ``stats``).
+
+    Raises:
+        ValueError naming the option, for what cannot be honoured exactly: ``num_beams > 1``,
+        ``num_beam_groups``, ``penalty_alpha`` (contrastive search), ``dola_layers``,
+        ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit``,
+        ``output_scores`` / ``output_logits`` / ``output_attentions`` / ``output_hidden_states``
+        with ``return_dict_in_generate``, ``synced_gpus``, ``guidance_scale`` /
+        ``negative_prompt_ids``, a SynthID ``watermarking_config``, ``inputs_embeds``, a filled ``past_key_values`` / ``cache``, other model inputs, stopping
+        criteria that end rows early in a batch without an EOS id (plain decoding then keeps
+        generating those rows), a streamer with batch size > 1; and the errors of
+        :func:`vegas_ext.generate` (unsupported model, right padding, out-of-range options).
+    """
+    from .decode import generate as vegas_generate
+
+    if generation_config is None:
+        generation_config = model.generation_config
+    hf_call = _hf_generate_call()
+    if streamer is None:
+        streamer = hf_call.get("streamer")
+        forwarded = streamer is not None  # HF already sent it the prompt
+    else:
+        forwarded = False
+    synced_gpus = synced_gpus or bool(hf_call.get("synced_gpus"))
+    _check_generation_config(generation_config, {**hf_call, "synced_gpus": synced_gpus}, logits_processor, model_kwargs)
+
+    B, T = input_ids.shape
+    gc = generation_config
+    # HF's generate resolved these (pad: else the first EOS); a direct call reads the config's
+    eos_t = getattr(gc, "_eos_token_tensor", gc.eos_token_id)
+    pad_t = getattr(gc, "_pad_token_tensor", gc.pad_token_id)
+    eos = [] if eos_t is None else [int(x) for x in torch.as_tensor(eos_t).flatten().tolist()]
+    pad = None if pad_t is None else int(pad_t)
+    max_length = int(gc.max_length)
+    criteria = _needed_criteria(stopping_criteria, max_length, eos)
+    if stop_strings:
+        if tokenizer is None:
+            _refuse("stop_strings without a tokenizer",
+                    "transformers does not pass `tokenizer` to a callable custom_generate; bind it with "
+                    "custom_generate=functools.partial(vegas_ext.hf.generate, tokenizer=tok)")
+        from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+
+        criteria = StoppingCriteriaList(criteria or [])
+        criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
+    if criteria is not None and not eos and B > 1:
+        _refuse("stopping criteria with batch size > 1 and no eos_token_id",
+                "plain decoding keeps generating rows its criteria stopped unless an EOS id is set")
+    opts = dict(
+        num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
+        sparse_attn_algorithm=sparse_attn_algorithm, sparse_attn_ratio=sparse_attn_ratio,
+        sparse_attn_min_tokens=sparse_attn_min_tokens, sparse_attn_max_tokens=sparse_attn_max_tokens,
+        block_size=block_size, num_sink_blocks=num_sink_blocks,
+        share_selection_across_heads=share_selection_across_heads, query_weights=query_weights,
+        selection_refresh_interval=selection_refresh_interval, generator=generator, prefill_cache=prefill_cache,
+    )
+    opts = {k: v for k, v in opts.items() if v is not None}
+    procs = logits_processor if logits_processor is not None and len(logits_processor) else None
+    warp = _plain_warpers(procs) if (procs is not None and gc.do_sample) else None
+    if warp is not None:  # sampling with temperature / top-k / top-p only: the loop's own warpers
+        procs = None
+        opts.update(temperature=warp[0], top_k=warp[1], top_p=warp[2])
+    for k, v in (vegas_options or {}).items():
+        if k in _RESERVED_VEGAS_OPTIONS:
+            _refuse(f"vegas_options[{k!r}]", "set it through model.generate's own arguments")
+        opts[k] = v
+    out = vegas_generate(
+        model, input_ids, model_kwargs.get("attention_mask"),
+        max_new_tokens=max(0, max_length - T),
+        do_sample=bool(gc.do_sample),
+        eos_token_id=eos,
+        pad_token_id=pad,
+        streamer=_AfterPrompt(streamer) if (streamer is not None and forwarded) else streamer,
+        logits_processor=procs,
+        stopping_criteria=criteria,
+        **opts,
+    )
+    if gc.return_dict_in_generate:
+        return VegasGenerateOutput(sequences=out.sequences, stats=out.stats)
+    return out.sequences
+
+
+#: arguments of vegas_ext.generate that model.generate's own options set
+_RESERVED_VEGAS_OPTIONS = frozenset({
+    "model", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "eos_token_id", "pad_token_id", "streamer", "logits_processor", "stopping_criteria",
+})

@@ -39,10 +39,12 @@ Where the input checks run:
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -270,7 +272,7 @@ def verify_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    seq_lens: Tensor,
+    seq_lens: Union[Tensor, int],
     block_size: int,
     scale: float,
     query_weights: Optional[Tensor] = None,
@@ -284,7 +286,7 @@ def verify_attention(
             of each row, at positions ``seq_lens[b] - Q ... seq_lens[b] - 1`` (their K/V are
             already in the cache). Query ``i`` attends to tokens ``t <= seq_lens[b] - Q + i``.
         k_cache, v_cache: ``[B, H_kv, S, D]``, dtype of q.
-        seq_lens: ``[B]`` int32 in ``[Q, S]``.
+        seq_lens: ``[B]`` int32 in ``[Q, S]``, or a Python int for every row.
         block_size: tokens per block, ``>= 1``.
         scale: softmax scale applied to ``q . k`` (usually ``D ** -0.5``).
         query_weights: optional ``[Q]`` float32 weight of each query in the block scores
@@ -347,8 +349,8 @@ def _verify_fake(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights
 # ---------------------------------------------------------------------------
 def block_topk(
     block_scores: Tensor,
-    k: Tensor,
-    num_candidates: Tensor,
+    k: Union[Tensor, int],
+    num_candidates: Union[Tensor, int],
     max_k: int,
     num_sink_blocks: int = 0,
 ) -> Tensor:
@@ -357,9 +359,9 @@ def block_topk(
     Args:
         block_scores: ``[B, H, N]`` float32 (e.g. ``verify_attention``'s block scores;
             several layers can be stacked into the batch dimension).
-        k: ``[B]`` int32, blocks wanted per row (>= 0).
-        num_candidates: ``[B]`` int32; row b chooses among blocks ``[0, min(num_candidates[b], N))``
-            (typically the blocks before the draft tail).
+        k: ``[B]`` int32, blocks wanted per row (>= 0), or a Python int for every row.
+        num_candidates: ``[B]`` int32 (or a Python int for every row); row b chooses among blocks
+            ``[0, min(num_candidates[b], N))`` (typically the blocks before the draft tail).
         max_k: output width; also caps the count.
         num_sink_blocks: blocks ``[0, num_sink_blocks)`` are taken first (attention sinks,
             StreamingLLM arXiv 2309.17453), as many as fit.
@@ -424,8 +426,8 @@ def sparse_draft_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     block_indices: Tensor,
-    tail_start: Tensor,
-    seq_lens: Tensor,
+    tail_start: Union[Tensor, int],
+    seq_lens: Union[Tensor, int],
     block_size: int,
     scale: float,
 ) -> Tensor:
@@ -441,8 +443,8 @@ def sparse_draft_attention(
         block_indices: ``[B, H_kv, K]`` int32 block indices, ``-1`` = unused, unique per row,
             each in ``[0, ceil(S / block_size))``; any order.
         tail_start: ``[B]`` int32 with ``0 <= tail_start[b] <= seq_lens[b] - Q`` (the start of
-            the last verification window, in Vegas).
-        seq_lens: ``[B]`` int32 in ``[Q, S]``.
+            the last verification window, in Vegas), or a Python int for every row.
+        seq_lens: ``[B]`` int32 in ``[Q, S]``, or a Python int for every row.
         block_size: tokens per block, ``>= 1``.
         scale: softmax scale.
 
@@ -510,7 +512,8 @@ def _draft_fake(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_
 # Quest selection ops (the "quest" rival selection algorithm, vegas_ext.selection)
 # ---------------------------------------------------------------------------
 def block_minmax_update(
-    key_min: Tensor, key_max: Tensor, k_cache: Tensor, seq_lens: Tensor, start: Tensor, block_size: int
+    key_min: Tensor, key_max: Tensor, k_cache: Tensor, seq_lens: Union[Tensor, int], start: Union[Tensor, int],
+    block_size: int,
 ) -> None:
     """Recompute, in place, the key-wise min / max of the KV blocks that changed.
 
@@ -524,6 +527,7 @@ def block_minmax_update(
             float32/bfloat16/float16 (written in place).
         k_cache: ``[B, H_kv, S, D]``.
         seq_lens: ``[B]`` int32 in ``[0, S]``.  start: ``[B]`` int32 ``>= 0``, first changed token.
+            Either may be a Python int for every row.
         block_size: tokens per block, ``>= 1``.
 
     Raises:
@@ -532,7 +536,7 @@ def block_minmax_update(
     torch.ops.vegas.block_minmax_update(key_min, key_max, k_cache, seq_lens, start, block_size)
 
 
-def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: Tensor) -> Tensor:
+def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: Union[Tensor, int]) -> Tensor:
     """Quest's query-aware block scores: an upper bound of ``q . k`` over each block.
 
     ``score[b, g, j] = sum_{queries i} sum_{query heads h of group g} sum_d max(q_d * key_max_d,
@@ -542,7 +546,7 @@ def quest_block_scores(q: Tensor, key_min: Tensor, key_max: Tensor, num_blocks: 
     Args:
         q: ``[B, Q, H_q, D]`` float32/bfloat16/float16.
         key_min, key_max: ``[B, H_kv, N, D]``, see :func:`block_minmax_update`.
-        num_blocks: ``[B]`` int32, blocks scored per row.
+        num_blocks: ``[B]`` int32, blocks scored per row, or a Python int for every row.
 
     Returns:
         ``[B, H_kv, N]`` float32 (feed to :func:`block_topk`).
@@ -626,23 +630,59 @@ _FALLBACKS = {
 }
 
 
-def _make_dispatching(name, compiled, fallback):
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _per_row(op: str, name: str, value, rows: int, device) -> Tensor:
+    """``value`` as the ``[rows]`` int32 tensor the op takes: a Python int is repeated per row."""
+    v = int(value)
+    if not _INT32_MIN <= v <= _INT32_MAX:
+        _fail(op, f"{name} = {v} does not fit in int32")
+    return torch.full((rows,), v, dtype=torch.int32, device=device)
+
+
+def _make_dispatching(name, compiled, fallback, per_row=(), rows_from=0):
+    """The public wrapper of op ``name``: ``compiled`` (the typed function, which calls
+    ``torch.ops.vegas``) where a compiled kernel serves the device, else ``fallback``.
+
+    It keeps ``compiled``'s signature and docstring (``inspect.signature`` / ``help`` show the real
+    arguments), and turns a Python int given for one of the ``per_row`` arguments (one value per
+    batch row) into the ``[B]`` int32 tensor the op takes, on the device of the first argument; ``B``
+    is ``shape[0]`` of argument number ``rows_from``."""
+    names = list(inspect.signature(compiled).parameters)
+    per_row = tuple((p, names.index(p)) for p in per_row)
+    first_name, rows_name = names[0], names[rows_from]
+
+    @functools.wraps(compiled)  # sets __wrapped__: inspect.signature and help() show compiled's
     def fn(*args, **kwargs):
-        if not isinstance(args[0] if args else None, torch.Tensor) or _use_compiled(name, args[0].device):
+        first = args[0] if args else kwargs.get(first_name)
+        if not isinstance(first, torch.Tensor):  # the typed function raises the clear TypeError
+            return compiled(*args, **kwargs)
+        for p, i in per_row:
+            v = args[i] if i < len(args) else kwargs.get(p)
+            if isinstance(v, int) and not isinstance(v, bool):
+                src = args[rows_from] if rows_from < len(args) else kwargs.get(rows_name)
+                rows = src.shape[0] if isinstance(src, torch.Tensor) and src.dim() else 1
+                v = _per_row(name, p, v, rows, first.device)
+                if i < len(args):
+                    args = args[:i] + (v,) + args[i + 1:]
+                else:
+                    kwargs[p] = v
+        if _use_compiled(name, first.device):
             return compiled(*args, **kwargs)
         return fallback(*args, **kwargs)
 
-    fn.__name__ = compiled.__name__
-    fn.__qualname__ = compiled.__qualname__
-    fn.__doc__ = compiled.__doc__
     return fn
 
 
-verify_attention = _make_dispatching("verify_attention", verify_attention, _verify_fallback)
-block_topk = _make_dispatching("block_topk", block_topk, _topk_fallback)
-sparse_draft_attention = _make_dispatching("sparse_draft_attention", sparse_draft_attention, _draft_fallback)
-block_minmax_update = _make_dispatching("block_minmax_update", block_minmax_update, reference.block_minmax_update)
-quest_block_scores = _make_dispatching("quest_block_scores", quest_block_scores, reference.quest_block_scores)
+verify_attention = _make_dispatching("verify_attention", verify_attention, _verify_fallback, ("seq_lens",))
+block_topk = _make_dispatching("block_topk", block_topk, _topk_fallback, ("k", "num_candidates"))
+sparse_draft_attention = _make_dispatching("sparse_draft_attention", sparse_draft_attention, _draft_fallback,
+                                           ("tail_start", "seq_lens"))
+block_minmax_update = _make_dispatching("block_minmax_update", block_minmax_update, reference.block_minmax_update,
+                                        ("seq_lens", "start"), rows_from=2)
+quest_block_scores = _make_dispatching("quest_block_scores", quest_block_scores, reference.quest_block_scores,
+                                       ("num_blocks",))
 
 
 # ---------------------------------------------------------------------------
@@ -661,7 +701,7 @@ def paged_block_scores(
     q: Tensor,
     key_cache: Tensor,
     block_table: Tensor,
-    seq_lens: Tensor,
+    seq_lens: Union[Tensor, int],
     query_start_loc: Tensor,
     num_queries: int,
     scale: float,
@@ -685,7 +725,7 @@ def paged_block_scores(
         block_table: ``[R, max_pages]`` int32, physical page of each logical page; only the first
             ``ceil(seq_lens[r] / page_size)`` entries of a request with queries are read.
         seq_lens: ``[R]`` int32, tokens of request ``r`` including its new ones, in
-            ``[q_len, max_pages * page_size]``.
+            ``[q_len, max_pages * page_size]``, or a Python int for every request.
         query_start_loc: ``[R + 1]`` int32, non-decreasing, starting at 0, ending ``<= T``.
         num_queries: ``>= 1``; only the last ``min(q_len, num_queries)`` queries of each request
             are scored (a verification window: γ + 1; a prefill's last γ + 1 tokens).
@@ -775,7 +815,8 @@ def _paged_fake(q, key_cache, block_table, seq_lens, query_start_loc, num_querie
 
 
 torch.library.register_autograd("vegas::paged_block_scores", _no_backward("paged_block_scores"))
-paged_block_scores = _make_dispatching("paged_block_scores", paged_block_scores, _paged_fallback)
+paged_block_scores = _make_dispatching("paged_block_scores", paged_block_scores, _paged_fallback, ("seq_lens",),
+                                        rows_from=2)  # one value per request: R = block_table.shape[0]
 __all__.append("paged_block_scores")
 
 

@@ -1,0 +1,52 @@
+"""The ``vegas`` console script: parses its arguments before torch is imported.
+
+``import vegas_ext`` loads torch and the compiled ops (so ``torch.ops.vegas.*`` is callable right
+after it), which takes seconds. ``vegas --help`` and bad flags must answer at once, so this
+top-level module (outside the package, whose ``__init__`` would load torch) runs
+:mod:`vegas_ext.cli` -- standard library only at import time -- without importing the package
+first: the package, torch and transformers load only when ``vegas generate`` goes on to decode
+(the first ``from . import ...`` inside the command).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+_CLI = "vegas_ext.cli"
+
+
+def _load_cli():
+    """:mod:`vegas_ext.cli`, executed without running ``vegas_ext/__init__.py`` first."""
+    if "vegas_ext" in sys.modules or _CLI in sys.modules:  # already imported: nothing to save
+        return importlib.import_module(_CLI)
+    spec = importlib.util.find_spec("vegas_ext")  # locates the package without importing it
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((os.path.join(d, "cli.py") for d in locations if os.path.isfile(os.path.join(d, "cli.py"))), None)
+    if path is None:  # unusual install (zip, namespace package): the ordinary, slower import
+        return importlib.import_module(_CLI)
+    cli_spec = importlib.util.spec_from_file_location(_CLI, path)
+    module = importlib.util.module_from_spec(cli_spec)
+    # registered under its real name, so its relative imports (``from . import generate``) later
+    # import the package as usual and ``import vegas_ext.cli`` finds this same module
+    sys.modules[_CLI] = module
+    try:
+        cli_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(_CLI, None)
+        raise
+    return module
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``vegas`` console script: :func:`vegas_ext.cli.main` (exit status 0 ok,
+    2 bad input), with the argument parsing and checks done before torch is imported."""
+    return _load_cli().main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
