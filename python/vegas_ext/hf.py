@@ -618,6 +618,7 @@ def generate(
     selection_refresh_interval: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     prefill_cache: Optional[dict] = None,
+    draft_weights: Optional[str] = None,
     vegas_options: Optional[dict] = None,
     stop_strings=None,
     tokenizer=None,
@@ -652,7 +653,7 @@ def generate(
         num_speculative_tokens, max_speculative_tokens, sparse_attn_algorithm, sparse_attn_ratio,
             sparse_attn_min_tokens, sparse_attn_max_tokens, block_size, num_sink_blocks,
             share_selection_across_heads, query_weights, selection_refresh_interval, generator,
-            prefill_cache: the options of :func:`vegas_ext.generate`, given to ``model.generate``
+            prefill_cache, draft_weights: the options of :func:`vegas_ext.generate`, given to ``model.generate``
             as extra keyword arguments; ``None`` = :func:`vegas_ext.generate`'s default.
         vegas_options: any other keyword arguments of :func:`vegas_ext.generate`, as a dict.
         stop_strings, tokenizer: HF's stop strings (``str`` or list), checked as plain decoding
@@ -720,6 +721,7 @@ def generate(
         block_size=block_size, num_sink_blocks=num_sink_blocks,
         share_selection_across_heads=share_selection_across_heads, query_weights=query_weights,
         selection_refresh_interval=selection_refresh_interval, generator=generator, prefill_cache=prefill_cache,
+        draft_weights=draft_weights,
     )
     opts = {k: v for k, v in opts.items() if v is not None}
     procs = logits_processor if logits_processor is not None and len(logits_processor) else None

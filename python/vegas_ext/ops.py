@@ -103,11 +103,15 @@ def set_cuda_kernels_enabled(enabled: bool) -> None:
 
 
 def has_compiled_kernel(op: str, device_type: str) -> bool:
-    """True when ``torch.ops.vegas.<op>`` has a compiled kernel for ``device_type``."""
+    """True when ``torch.ops.vegas.<op>`` has a compiled kernel for ``device_type`` (False when
+    the loaded library does not define the op at all, e.g. one built from older sources)."""
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"vegas::{op}", key)
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"vegas::{op}", key)
+    except RuntimeError:  # "operator vegas::<op> does not exist"
+        return False
 
 
 # Looked up once, so the wrappers stay traceable by torch.compile (a dict read).
