@@ -232,7 +232,7 @@ inline PagedShape check_paged_inputs(const char* op, const at::Tensor& q, const 
   TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be a positive finite float, got ",
               scale);
   TORCH_CHECK(key_cache.size(2) >= 1, op, ": page_size (key_cache.size(2)) must be >= 1");
-  return PagedShape{R,   q.size(0),         Hq, Hkv, Hq / Hkv, q.size(2), key_cache.size(2),
+  return PagedShape{R, q.size(0), Hq, Hkv, Hq / Hkv, q.size(2), key_cache.size(2),
                     block_table.size(1), key_cache.size(0)};
 }
 

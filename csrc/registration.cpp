@@ -13,7 +13,11 @@ extern "C" {
 // A bare module: importing vegas_ext._C runs the static registrations below.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "vegas_ext compiled ops (torch.ops.vegas.*)", -1, nullptr,
+      PyModuleDef_HEAD_INIT,
+      "_C",
+      "vegas_ext compiled ops (torch.ops.vegas.*)",
+      -1,
+      nullptr,
   };
   return PyModule_Create(&module_def);
 }

@@ -685,8 +685,10 @@ void attend(const Rows& rows, const T* k, const T* v, int64_t k_st, int64_t v_st
   const bool direct = !list && std::is_same_v<T, float>;
   const bool same_stride = k_st == v_st;
   const int64_t kv_gap = (reinterpret_cast<intptr_t>(v) - reinterpret_cast<intptr_t>(k)) / int64_t(sizeof(T));
+  // clang-format off
   const int64_t pf_k = !direct ? 0 : same_stride ? kv_gap : kTile * k_st;
   const int64_t pf_v = !direct ? 0 : same_stride ? kTile * k_st - kv_gap : kTile * v_st;
+  // clang-format on
   const int npv = (R + kPvMR - 1) / kPvMR;  // P V passes over the row blocks (see PassPrefetch)
   for (int64_t i0 = 0, tile = 0; i0 < n; i0 += kTile, ++tile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTile, n - i0));

@@ -48,9 +48,11 @@ struct TaskBuffers {
   std::vector<float> row_lse, w, f;  // [Rp] each: a launcher's per-row finishing scratch
   std::vector<int32_t> pos;
   std::vector<int> nv;
+  // clang-format off
   TaskBuffers(int R_, int Rp_, int D_)
       : R(R_), Rp(Rp_), D(D_), qf(size_t(R_) * D_), qt(size_t(D_) * Rp_),
         scratch(Scratch::floats(R_, D_), 0.f), row_lse(Rp_, 0.f), w(Rp_, 0.f), f(Rp_, 0.f), pos(Rp_, -1), nv(R_) {}
+  // clang-format on
   // Rows r = i * group + hh of KV head g of batch row b: q [B, Q, Hq, D] (contiguous),
   // scaled into qf; row r may attend to tokens <= L - Q + i.
   template <typename T>

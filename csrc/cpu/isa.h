@@ -64,7 +64,9 @@
 namespace vegas {
 namespace cpu {
 
+// clang-format off
 enum class Isa { base = 0, avx2 = 1, avx512 = 2 };
+// clang-format on
 
 // The widest path this processor runs, capped by VEGAS_CPU_ISA when set.
 inline Isa cpu_isa() {
@@ -95,12 +97,12 @@ inline const char* cpu_isa_name() {
 
 // Calls fn(args...) from the chosen ISA namespace.
 #ifdef VEGAS_HAVE_X86_PATHS
-#define VEGAS_ISA_CALL(fn, ...)                                                    \
-  (::vegas::cpu::cpu_isa() == ::vegas::cpu::Isa::avx512                            \
-       ? ::vegas::cpu::isa_avx512::fn(__VA_ARGS__)                                 \
-       : ::vegas::cpu::cpu_isa() == ::vegas::cpu::Isa::avx2                        \
-             ? ::vegas::cpu::isa_avx2::fn(__VA_ARGS__)                             \
-             : ::vegas::cpu::isa_base::fn(__VA_ARGS__))
+#define VEGAS_ISA_CALL(fn, ...)                         \
+  (::vegas::cpu::cpu_isa() == ::vegas::cpu::Isa::avx512 \
+       ? ::vegas::cpu::isa_avx512::fn(__VA_ARGS__)      \
+   : ::vegas::cpu::cpu_isa() == ::vegas::cpu::Isa::avx2 \
+       ? ::vegas::cpu::isa_avx2::fn(__VA_ARGS__)        \
+       : ::vegas::cpu::isa_base::fn(__VA_ARGS__))
 #else
 #define VEGAS_ISA_CALL(fn, ...) ::vegas::cpu::isa_base::fn(__VA_ARGS__)
 #endif

@@ -38,7 +38,10 @@ static inline float half_to_float(uint16_t h) {
     bits = sign;  // +-0
   } else {  // subnormal: normalize
     exp = 113;
-    while (!(man & 0x400u)) { man <<= 1; --exp; }
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
     bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
   }
   float f;

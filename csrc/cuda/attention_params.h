@@ -46,7 +46,9 @@ constexpr int kScoreThreads = 128;    // block-score pass: 4 warps, one 16-token
 constexpr int kScoreTile = 64;        // tokens per tile of the block-score pass
 constexpr size_t kMaxScoreSmem = 96 * 1024;  // above this the slots are used instead
 
+// clang-format off
 enum class ScoreMode { kNone, kSlots, kScorePass };
+// clang-format on
 
 struct AttnParams {
   const void* q;  // [B, Q, Hq, D] contiguous
@@ -194,7 +196,7 @@ inline AttnPlan make_attn_plan(int64_t B, int64_t Hkv, int64_t R, int64_t D, int
     p.sc_rpad = static_cast<int>(div_up(R, 16) * 16);
     p.sc_smem = score_smem_bytes(mma, D, p.sc_rpad, esize);
     p.scores = (block_size < kStep && p.sc_smem <= kMaxScoreSmem) ? ScoreMode::kScorePass
-                                                                   : ScoreMode::kSlots;
+                                                                  : ScoreMode::kSlots;
   }
   const bool with_slots = p.scores == ScoreMode::kSlots;
   if (p.scores == ScoreMode::kScorePass) {

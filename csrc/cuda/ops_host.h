@@ -396,7 +396,9 @@ inline PagedPlan plan_paged(int64_t R, int64_t Hkv, int64_t G, int64_t T, int64_
   PagedPlan pl{};
   pl.bgs = R * Hkv;
   pl.rows_cap = std::min(T, num_queries) * G;
-  pl.rpt = pl.rows_cap <= 4 ? 4 : pl.rows_cap <= 8 ? 8 : pl.rows_cap <= 16 ? 16 : 32;
+  pl.rpt = pl.rows_cap <= 4 ? 4 : pl.rows_cap <= 8 ? 8
+                              : pl.rows_cap <= 16  ? 16
+                                                   : 32;
   if (P == 0 || pl.bgs == 0) {
     pl.ppc = 1;
     pl.nchunks = 0;

@@ -69,9 +69,9 @@ at::Tensor block_topk_emu(const at::Tensor& scores, const at::Tensor& k, const a
 }
 
 at::Tensor paged_block_scores_emu(const at::Tensor& q, const at::Tensor& key_cache,
-                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                 const at::Tensor& query_start_loc, int64_t num_queries,
-                                 double scale, int64_t chunk_tokens, int64_t sms, int64_t checks) {
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                  const at::Tensor& query_start_loc, int64_t num_queries,
+                                  double scale, int64_t chunk_tokens, int64_t sms, int64_t checks) {
   EmuBackend be{false, int(sms), int(checks)};
   be.chunk_tokens = int(chunk_tokens);
   return vegas::cuda::paged_block_scores_impl(be, q, key_cache, block_table, seq_lens,
