@@ -38,7 +38,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     big = torch.randn(128 * 1024 * 1024)
-    bw = statistics.median(timed(lambda: big.sum()) for _ in range(5))
+    bw = statistics.median(timed(big.sum) for _ in range(5))
     read_gbs = big.numel() * 4 / bw / 1e9
     del big
     ws = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
@@ -56,14 +56,14 @@ def main():
         xh = [x.half() for x in xs]
         xb = [x.bfloat16() for x in xs]
         fns = {
-            "fp32 F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
-            "fp16 F.linear": lambda: [F.linear(x, w) for x, w in zip(xh, w16)],
-            "bf16 F.linear": lambda: [F.linear(x, w) for x, w in zip(xb, wbf)],
-            "kernel fp16": lambda: [op(x, w, None, None, 64) for x, w in zip(xs, w16)],
-            "kernel int8": lambda: [op(x, q, s, None, INT8_GROUP_SIZE) for x, (q, s) in zip(xs, q8)],
+            "fp32 F.linear": lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, ws)],
+            "fp16 F.linear": lambda xh=xh: [F.linear(x, w) for x, w in zip(xh, w16)],
+            "bf16 F.linear": lambda xb=xb: [F.linear(x, w) for x, w in zip(xb, wbf)],
+            "kernel fp16": lambda xs=xs: [op(x, w, None, None, 64) for x, w in zip(xs, w16)],
+            "kernel int8": lambda xs=xs: [op(x, q, s, None, INT8_GROUP_SIZE) for x, (q, s) in zip(xs, q8)],
         }
         times = {k: [] for k in fns}
-        for k, f in fns.items():
+        for f in fns.values():
             f()  # warm-up
         for _ in range(args.rounds):
             for k, f in fns.items():

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 import vegas_ext
+from bench.common import ROOT, add_pack_linears_flag, pack_linears, run_metadata, sync, write_rows
 from vegas_ext import documents, hf, models
-
-from common import add_pack_linears_flag, pack_linears, run_metadata, sync, write_rows, ROOT
 
 DOCS = ["pride_and_prejudice", "python_docs", "kjv"]
 
@@ -86,12 +85,12 @@ def main():
             pc: dict = {}
             pad = tok.pad_token_id  # EOS ids: the model's generation config on both paths
 
-            def direct():
+            def direct(ids=ids, mask=mask, pad=pad, pc=pc):
                 with torch.inference_mode():
                     return vegas_ext.generate(model, ids, mask, max_new_tokens=args.new, pad_token_id=pad,
                                               prefill_cache=pc, **opts).sequences
 
-            def via_hf():
+            def via_hf(ids=ids, mask=mask, pad=pad, pc=pc):
                 with torch.inference_mode():
                     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
                                           do_sample=False, pad_token_id=pad, custom_generate=hf.generate,

@@ -170,7 +170,8 @@ def main():
         print(f"{res['label']:<48} pos {res['positions']:4d}  spread {w['spread']:.3g} = {w['spread_ulps']:.1f} ulp"
               f"(scale {w['scale']:.3g})  rel {res['worst_rel']:.2f} eps|h||w|  diffs {len(res['diffs'])}"
               + "".join(f"\n    diff r{d['row']} p{d['pos']}: gap {d['gap']:.3g} = {d['ulps_at_pair']:.1f} ulp(pair) "
-                        f"= {d['ulps_at_scale']:.1f} ulp(scale) = {d['rel']:.3f} eps|h||w|" for d in res["diffs"]), flush=True)
+                        f"= {d['ulps_at_scale']:.1f} ulp(scale) = {d['rel']:.3f} eps|h||w|"
+                        for d in res["diffs"]), flush=True)
         results.append(res)
 
     if args.wide:
@@ -197,7 +198,8 @@ def main():
             for batch, lengths in ((1, [300]), (3, [300, 217, 281])):
                 m = cached_model(fam)
                 ids, mask = make_prompts(m.config.vocab_size, lengths, seed=batch)
-                print(f"test_decode _case({fam}, {batch}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
+                print(f"test_decode _case({fam}, {batch}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}",
+                      flush=True)
             m = make_model(fam)  # test_packed_linear.test_packed_model_decodes_losslessly
             ids, mask = make_prompts(m.config.vocab_size, [40, 57, 23])
             print(f"test_packed_linear ({fam}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
@@ -211,7 +213,8 @@ def main():
             prompt = " ".join(test_cli.WORDS[(7 * k) % len(test_cli.WORDS)] for k in range(180))
             ids = torch.tensor([tok(prompt).input_ids])
             m = AutoModelForCausalLM.from_pretrained(folder).eval()
-            print(f"test_cli contract {i}: min top-2 margin {top2_margin(m, ids, torch.ones_like(ids), 24):.1f}", flush=True)
+            print(f"test_cli contract {i}: min top-2 margin {top2_margin(m, ids, torch.ones_like(ids), 24):.1f}",
+                  flush=True)
     if args.wide_half:
         for fam in FAMILIES:
             for dt in (torch.bfloat16, torch.float16):

@@ -32,7 +32,8 @@ def _case(family):
         n_new = [min(st + 1, NEW) for st in stops]
         if min(stops) <= 6 and max(stops) >= 25 and len(set(n_new)) >= 3:
             return model, ids, mask, list(eos), stops
-    pytest.fail("no EOS set that ends the rows at very different times (the seeded model and prompts are fixed: they must provide one)")
+    pytest.fail("no EOS set that ends the rows at very different times "
+                "(the seeded model and prompts are fixed: they must provide one)")
 
 
 def _batch_sizes(model):

@@ -327,7 +327,8 @@ def test_package_import_loads_the_ops_and_stays_complete(tmp_path):
     """`import vegas_ext` makes every torch.ops.vegas op callable (issue 31) but loads no transformers;
     `from vegas_ext import generate` still works and sees every algorithm."""
     probe = ("import sys, torch; import vegas_ext\n"
-             "names = sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith('vegas::'))\n"
+             "names = sorted(n.split('::')[1] for n in torch._C._dispatch_get_all_op_names() "
+             "if n.startswith('vegas::'))\n"
              "print(names, all(callable(getattr(torch.ops.vegas, n)) for n in names), 'transformers' in sys.modules)\n"
              "from vegas_ext import generate, GenerateOutput, reference\n"
              "from vegas_ext.decode import SELECTION_ALGORITHMS\n"
@@ -498,7 +499,8 @@ def _tie_model(tiny_model_dir, tmp_path):
         w[b, j] = s * (2.0 - 3 * 2.0 ** -23)  # 3 float32 ulps below 2
         logits = m(ids).logits[0, -1]
         worst = int(logits.argmin())
-    assert int(logits.argmax()) == a and 0 < float(logits[a] - logits[b]) <= 4 * float(torch.finfo().eps * logits[a].abs())
+    assert (int(logits.argmax()) == a
+            and 0 < float(logits[a] - logits[b]) <= 4 * float(torch.finfo().eps * logits[a].abs()))
     folder = str(tmp_path / "tie")
     m.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -597,7 +599,8 @@ def test_first_difference_unit():
     assert f["ulps"] == pytest.approx(2.0) and f["near_tie"] is True
     f = cli.first_difference([[5, 6, 7]], [[5, 6, 9]], rec, torch.bfloat16)
     assert f["ulps"] == pytest.approx(2 * 2.0 ** -21 / 2.0 ** -5) and f["near_tie"] is True
-    assert f["eps_units"] is None and f["tolerance"] == pytest.approx(8 * 2.0 ** -5)  # bf16 at 4.0, no |h| |w|: the ulp rule
+    # bf16 at 4.0, no |h| |w|: the ulp rule
+    assert f["eps_units"] is None and f["tolerance"] == pytest.approx(8 * 2.0 ** -5)
     assert cli.first_difference([[1, 2]], [[1, 2]], rec, torch.float32) is None
     # with the rounding scale |h| max(|w|): the gap over eps * scale decides, not the ulps at the logit
     rec.steps = [[(0.01, 0.01 - 3e-6, 4.0)]]  # 3e-6 is ~320 ulps at 0.01 but 6.3 eps * 4.0

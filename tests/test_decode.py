@@ -239,7 +239,8 @@ def test_rows_finish_early_at_their_own_eos():
         if any(hits) and not all(hits):
             break
     else:
-        pytest.fail("no suitable EOS token in this reference (the seeded model and prompts are fixed: they must provide one)")
+        pytest.fail("no suitable EOS token in this reference "
+                    "(the seeded model and prompts are fixed: they must provide one)")
     ref_eos = hf_greedy(model, ids, mask, NEW, eos_token_id=cand)
     out = _gen(model, ids, mask, num_speculative_tokens=4, eos_token_id=cand, **SPARSE)
     assert torch.equal(out.sequences, ref_eos), first_diff(out.sequences, ref_eos)

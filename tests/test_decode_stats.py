@@ -47,7 +47,8 @@ def _eos_inside_first_run(new):
             continue
         if all(1 <= s <= GAMMA for s in stops) and len(set(stops)) == B:
             return sorted(eos), stops
-    pytest.fail("no EOS set that ends every row inside its first accepted run (the seeded model and prompts are fixed: they must provide one)")
+    pytest.fail("no EOS set that ends every row inside its first accepted run "
+                "(the seeded model and prompts are fixed: they must provide one)")
 
 
 @pytest.mark.parametrize("batch", [1, 3])

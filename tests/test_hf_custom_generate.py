@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 from transformers import (
-    GenerationConfig,
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
     StoppingCriteria,
@@ -322,7 +321,8 @@ def test_sampling_with_processors_keeps_the_target_distribution():
     joint = _exact_joint(model, prompt, procs)
     torch.manual_seed(1)  # HF-style sampling uses the global generator
     with torch.inference_mode():
-        out = model.generate(input_ids=prompt.expand(N_ROWS, -1), attention_mask=torch.ones(N_ROWS, PROMPT, dtype=torch.long),
+        out = model.generate(input_ids=prompt.expand(N_ROWS, -1),
+                             attention_mask=torch.ones(N_ROWS, PROMPT, dtype=torch.long),
                              max_new_tokens=K_NEW, do_sample=True,
                              repetition_penalty=3.0, temperature=0.8, top_k=4, pad_token_id=0,
                              return_dict_in_generate=True, custom_generate=hf.generate, num_speculative_tokens=3,

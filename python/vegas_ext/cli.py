@@ -76,7 +76,8 @@ def _int(name):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``vegas`` argument parser (subcommand ``generate``)."""
-    p = _Parser(prog="vegas", description="Self-speculative decoding with verification-guided sparse attention (Vegas).")
+    p = _Parser(prog="vegas",
+                description="Self-speculative decoding with verification-guided sparse attention (Vegas).")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser(
         "generate",
@@ -114,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-speculative-tokens", type=_int("--max-speculative-tokens"), default=8,
                    help="largest gamma of --num-speculative-tokens auto (default 8)")
     d.add_argument("--algorithm", default="vegas",
-                   help="sparse_attn_algorithm: vegas (default), streamingllm, quest, or full (plain decoding through our cache and kernels)")
-    d.add_argument("--ratio", type=float, default=0.05, help="KV budget as a fraction of the context, in (0, 1] (default 0.05)")
+                   help="sparse_attn_algorithm: vegas (default), streamingllm, quest, or full "
+                        "(plain decoding through our cache and kernels)")
+    d.add_argument("--ratio", type=float, default=0.05,
+                   help="KV budget as a fraction of the context, in (0, 1] (default 0.05)")
     d.add_argument("--min-tokens", type=_int("--min-tokens"), default=256,
                    help="lower clamp of the KV budget in tokens (default 256)")
     d.add_argument("--max-tokens", type=_int("--max-tokens"), default=None,
@@ -145,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = g.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="also run plain greedy decoding with Hugging Face's model.generate and with our own "
-                        "loop (--algorithm full); report both speedups and whether the tokens are identical (where not: the first differing token and "
+                        "loop (--algorithm full); report both speedups and whether the tokens are identical "
+                        "(where not: the first differing token and "
                         "the gap between the two tokens' target logits there)")
     o.add_argument("--json", action="store_true",
                    help="print one JSON object to stdout: text, new token ids, stats (and the comparison)")
@@ -690,7 +694,8 @@ def _fmt_stats(stats: Dict[str, Any]) -> List[str]:
     if stats.get("num_drafts"):  # plain decoding ("full") drafts nothing: no acceptance to report
         lines += [
             f"mean accept. length  {g('mean_acceptance_length', '{:.2f}')} "
-            f"(drafts {g('num_drafts', '{}')}, draft tokens {g('num_draft_tokens', '{}')}, accepted {g('num_accepted_tokens', '{}')})",
+            f"(drafts {g('num_drafts', '{}')}, draft tokens {g('num_draft_tokens', '{}')}, "
+            f"accepted {g('num_accepted_tokens', '{}')})",
             f"draft accept. rate   {g('draft_acceptance_rate', '{:.3f}')}",
         ]
         per = stats.get("num_accepted_tokens_per_pos")
@@ -903,18 +908,22 @@ def _print_human(result, stats, wall, n_ours, algorithm, dtype_name, printed_tex
     _eprint(f"--- {algorithm} stats ---")
     for line in _fmt_stats(stats):
         _eprint(line)
-    _eprint(f"wall                 {wall:.2f}s for {n_ours} tokens = {stats['wall_tokens_per_s']:.2f} tok/s (incl. prefill)")
+    _eprint(f"wall                 {wall:.2f}s for {n_ours} tokens = {stats['wall_tokens_per_s']:.2f} tok/s "
+            "(incl. prefill)")
     if "identical" in result:
         _eprint("--- comparison with plain greedy decoding (HF model.generate) ---")
-        _eprint(f"HF generate          {result['baseline_time_s']:.2f}s for {sum(len(r) for r in result['baseline_token_ids'])} "
-                f"tokens = {result['baseline_tokens_per_s']:.2f} tok/s (incl. prefill)")
+        _eprint(f"HF generate          {result['baseline_time_s']:.2f}s for "
+                f"{sum(len(r) for r in result['baseline_token_ids'])} tokens = "
+                f"{result['baseline_tokens_per_s']:.2f} tok/s (incl. prefill)")
         sp = result["speedup"]
         _eprint(f"speedup              {sp:.2f}x end to end" + (
             f", {result['decode_speedup']:.2f}x decode only (prefill excluded)" if result["decode_speedup"] else ""))
-        _eprint("identical            " + identical_line(result["identical"], result.get("first_difference"), dtype_name))
+        _eprint("identical            "
+                + identical_line(result["identical"], result.get("first_difference"), dtype_name))
     if result.get("plain_time_s") is not None:
         _eprint("--- comparison with our own plain loop (--algorithm full, same kernels, no drafts) ---")
-        _eprint(f"plain loop           {result['plain_time_s']:.2f}s = {result['plain_tokens_per_s']:.2f} tok/s (incl. prefill)")
+        _eprint(f"plain loop           {result['plain_time_s']:.2f}s = {result['plain_tokens_per_s']:.2f} tok/s "
+                "(incl. prefill)")
         sp, dsp = result.get("speedup_vs_plain"), result.get("decode_speedup_vs_plain")
         _eprint(f"speedup (vegas)      {sp:.2f}x end to end" + (f", {dsp:.2f}x decode only" if dsp else "")
                 + f" vs our plain loop; {result['speedup']:.2f}x vs HF generate"
@@ -948,7 +957,8 @@ def cmd_generate(args) -> int:
     B = len(rows)
     dtype_name = str(dtype).replace("torch.", "")
     if show:
-        _eprint(f"vegas: prompt: {B} row{'s' if B > 1 else ''} of {', '.join(f'{len(r):,}' for r in rows[:8])}{' ...' if B > 8 else ''} "
+        _eprint(f"vegas: prompt: {B} row{'s' if B > 1 else ''} of {', '.join(f'{len(r):,}' for r in rows[:8])}"
+                f"{' ...' if B > 8 else ''} "
                 f"tokens{' (chat template)' if args.chat else ''}; up to {max_new} new tokens per row with "
                 f"{args.algorithm}, gamma {args.num_speculative_tokens}, ratio {args.ratio}, block {args.block_size}")
 

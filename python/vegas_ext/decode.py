@@ -696,7 +696,8 @@ def _left_padded_prompts(model, input_ids, attention_mask, streamer):
         raise config.OptionTypeError(
             f"attention_mask must be a [B, T] tensor of 0/1 or None, got {type(attention_mask).__name__}")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
+                         f"{tuple(input_ids.shape)}")
     attention_mask = attention_mask.to(device)
     prompt_lens = attention_mask.long().sum(1)
     ar_t = torch.arange(T, device=device)
@@ -784,9 +785,10 @@ def generate(
     models, 3.15 on SmolLM2-135M; half precision: 2.9 and 0.44; docs/lossless.md). Which token wins
     a near-tie depends on the CPU and its BLAS; HF's own ``generate`` also picks differently there
     with and without its KV cache. The float32 differences seen were at gaps of 0-8 ulps of the
-    logit (at most 0.53 units), on constructed near-ties. Sampled output (``do_sample=True``) follows the target distribution (speculative
-    sampling). ``vegas generate --compare`` names the first differing token, the gap between the
-    two tokens' target logits there (in ulps and in those units) and whether it is a near-tie.
+    logit (at most 0.53 units), on constructed near-ties. Sampled output (``do_sample=True``)
+    follows the target distribution (speculative sampling). ``vegas generate --compare`` names the
+    first differing token, the gap between the two tokens' target logits there (in ulps and in those
+    units) and whether it is a near-tie.
     Works on batches whose rows have different prompt lengths (left padding), each row accepting
     its own number of drafts and stopping at its own EOS / ``max_new_tokens``.
 
@@ -965,7 +967,9 @@ def generate(
     limit_new = torch.clamp(max_pos - prompt_lens + 1, max=max_new_tokens)
     if bool((limit_new < max_new_tokens).any()):
         warnings.warn(
-            f"vegas generate: max_new_tokens={max_new_tokens} capped so no row goes past max_position_embeddings={max_pos}"
+            f"vegas generate: max_new_tokens={max_new_tokens} capped so no row goes past "
+            f"max_position_embeddings={max_pos}",
+            stacklevel=2,
         )
     n_cap = int(limit_new.max())  # most new tokens any row can emit: buffers are sized by it
     # a block covering the whole cache (at most min(Lmax + n_cap, max_pos) + n_cap positions) is
@@ -1045,7 +1049,8 @@ def generate(
             )
         state = DecodeState(
             model=model, fwd_kw=_cache_kwarg(model), cache=cache, attn=attn, strategy=strategy, policy=policy,
-            stats=stats, do_sample=bool(do_sample), warpers=make_warpers(temperature, top_k, top_p) if do_sample else None,
+            stats=stats, do_sample=bool(do_sample),
+            warpers=make_warpers(temperature, top_k, top_p) if do_sample else None,
             generator=generator, eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
             sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), limit_new=limit_new,
             new_tokens=torch.full((B, n_cap), pad_token_id, dtype=torch.long, device=device),

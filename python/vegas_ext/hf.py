@@ -71,7 +71,8 @@ __all__ = [
 ATTN_IMPLEMENTATION = "vegas"
 SUPPORTED_MODEL_TYPES = config.SUPPORTED_MODEL_TYPES
 
-_ACTIVE: contextvars.ContextVar[Optional["AttentionState"]] = contextvars.ContextVar("vegas_attention_state", default=None)
+_ACTIVE: contextvars.ContextVar[Optional["AttentionState"]] = contextvars.ContextVar("vegas_attention_state",
+                                                                                     default=None)
 
 
 @dataclass
@@ -176,7 +177,8 @@ def vegas_attention_forward(
     """
     st = _ACTIVE.get()
     if st is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     layer = module.layer_idx
     st.layer_calls += 1
     cl = st.cache.layers[layer]
@@ -313,7 +315,8 @@ def _check_rope(model, config, need: int) -> None:
                     f"vegas: {where}['rope_type']='dynamic' with frequencies grown to {grown} positions by an earlier "
                     f"forward past max_position_embeddings={config.max_position_embeddings}: transformers keeps them "
                     "until a shorter forward, so a context reaching max_position_embeddings would decode differently "
-                    "from plain greedy; run the model once on a short input (e.g. model(input_ids[:, :1])) to reset them"
+                    "from plain greedy; run the model once on a short input (e.g. model(input_ids[:, :1])) "
+                    "to reset them"
                 )
     layer_types = getattr(config, "layer_types", None) or ()
     odd = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
@@ -385,7 +388,8 @@ def patch_model(model, max_context: Optional[int] = None):
             model._vegas_prev_attn_implementation = cur
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
             if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-                raise ValueError(f"vegas: {type(model).__name__} refused set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+                raise ValueError(
+                    f"vegas: {type(model).__name__} refused set_attn_implementation({ATTN_IMPLEMENTATION!r})")
         if getattr(model, _SCOPES_ATTR, 0):
             setattr(model, _RESTORE_ATTR, False)  # patched on purpose: stays patched after the scopes
     return model
@@ -534,7 +538,8 @@ def _check_generation_config(gc, hf_call: dict, logits_processor, model_kwargs) 
     if gc.return_dict_in_generate:
         for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
             if getattr(gc, name, False):
-                _refuse(f"{name}=True", "the loop verifies several tokens per forward; sequences and stats are returned")
+                _refuse(f"{name}=True",
+                        "the loop verifies several tokens per forward; sequences and stats are returned")
     if hf_call.get("synced_gpus"):
         _refuse("synced_gpus=True", "single-process decoding")
     if getattr(gc, "guidance_scale", None) not in (None, 1, 1.0):
@@ -546,7 +551,8 @@ def _check_generation_config(gc, hf_call: dict, logits_processor, model_kwargs) 
 
     for proc in logits_processor or ():
         if isinstance(proc, UnbatchedClassifierFreeGuidanceLogitsProcessor):
-            _refuse("negative_prompt_ids / guidance_scale", "classifier-free guidance runs its own model calls per step")
+            _refuse("negative_prompt_ids / guidance_scale",
+                    "classifier-free guidance runs its own model calls per step")
         if isinstance(proc, SynthIDTextWatermarkLogitsProcessor):
             _refuse("watermarking_config (SynthID)", "its state assumes one call per generated token")
     if model_kwargs.get("inputs_embeds") is not None:
@@ -675,7 +681,8 @@ def generate(
         ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit``,
         ``output_scores`` / ``output_logits`` / ``output_attentions`` / ``output_hidden_states``
         with ``return_dict_in_generate``, ``synced_gpus``, ``guidance_scale`` /
-        ``negative_prompt_ids``, a SynthID ``watermarking_config``, ``inputs_embeds``, a filled ``past_key_values`` / ``cache``, other model inputs, stopping
+        ``negative_prompt_ids``, a SynthID ``watermarking_config``, ``inputs_embeds``, a filled
+        ``past_key_values`` / ``cache``, other model inputs, stopping
         criteria that end rows early in a batch without an EOS id (plain decoding then keeps
         generating those rows), a streamer with batch size > 1; and the errors of
         :func:`vegas_ext.generate` (unsupported model, right padding, out-of-range options).
@@ -707,7 +714,7 @@ def generate(
             _refuse("stop_strings without a tokenizer",
                     "transformers does not pass `tokenizer` to a callable custom_generate; bind it with "
                     "custom_generate=functools.partial(vegas_ext.hf.generate, tokenizer=tok)")
-        from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+        from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
         criteria = StoppingCriteriaList(criteria or [])
         criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))

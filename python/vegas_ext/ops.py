@@ -72,7 +72,8 @@ except ImportError as _e:  # pragma: no cover - exercised only without a build
     _IMPORT_ERROR = _e
     warnings.warn(
         f"vegas_ext: compiled extension not available ({_e}); using the PyTorch references. "
-        "Build it with `pip install --no-build-isolation -e .`."
+        "Build it with `pip install --no-build-isolation -e .`.",
+        stacklevel=2,
     )
     _lib = torch.library.Library("vegas", "DEF")
     _lib.define(
@@ -154,7 +155,8 @@ def cuda_workspace_bytes(
 
     ``spt = 1`` if ``bs % 16 == 0`` else ``min(16, 15 // bs + 2)``. Verification uses the
     slots mode for ``bs >= 16`` (and when the block-score pass's shared memory -- a K tile
-    plus the group's queries -- would exceed 96 KiB: very many rows, or fp32 with D = 256); for ``bs < 16`` a second pass over K computes the block scores
+    plus the group's queries -- would exceed 96 KiB: very many rows, or fp32 with D = 256); for
+    ``bs < 16`` a second pass over K computes the block scores
     with no workspace, so at ``block_size = 1`` nothing of size ``[Q, S]`` is allocated.
     ``np = max(1, min(ceil(4 * num_sms / (B * H_kv * nz)), ceil(ceil(V / tile) / 4), 64))``
     with ``V = S`` (verify) or ``K * bs + S`` (draft), ``tile = 64`` (32 on the SIMT path
@@ -248,7 +250,8 @@ def _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale):
     if Dk != D:
         _fail(op, f"k_cache head_dim ({Dk}) must equal q head_dim ({D})")
     if Hkv <= 0 or Hq <= 0 or Hq % Hkv != 0:
-        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
+        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads "
+                  f"H_kv ({Hkv})")
     if Q < 1 or Q > S:
         _fail(op, f"Q ({Q}) must lie in [1, S] = [1, {S}]")
     if block_size < 1:
@@ -335,7 +338,8 @@ def _verify_fallback(q, k_cache, v_cache, seq_lens, block_size, scale, query_wei
     _check_seq_lens_values(op, seq_lens, Q, S)
     if query_weights is not None:
         if query_weights.shape != (Q,) or query_weights.dtype != torch.float32:
-            _fail(op, f"query_weights must be float32 of shape [Q] = [{Q}], got {query_weights.dtype} {tuple(query_weights.shape)}")
+            _fail(op, f"query_weights must be float32 of shape [Q] = [{Q}], got {query_weights.dtype} "
+                      f"{tuple(query_weights.shape)}")
     return reference.verify_attention(q, k_cache, v_cache, seq_lens, block_size, scale, query_weights)
 
 
@@ -567,7 +571,8 @@ def _check_meta(op, key_min, key_max, B, D):
     if key_max.shape != key_min.shape:
         _fail(op, f"key_max must have the shape of key_min {tuple(key_min.shape)}, got {tuple(key_max.shape)}")
     if key_min.dtype not in _ATTN_DTYPES or key_max.dtype != key_min.dtype:
-        _fail(op, f"key_min and key_max must share one dtype among float32, bfloat16, float16, got {key_min.dtype} and {key_max.dtype}")
+        _fail(op, f"key_min and key_max must share one dtype among float32, bfloat16, float16, got {key_min.dtype} "
+                  f"and {key_max.dtype}")
 
 
 def _check_int32_vec(op, name, t, B, device):
@@ -587,7 +592,8 @@ def _minmax_fake(key_min, key_max, k_cache, seq_lens, start, block_size):
     B, Hkv, S, D = k_cache.shape
     _check_meta(op, key_min, key_max, B, D)
     if key_min.shape[1] != Hkv or key_min.shape[2] != -(-S // block_size):
-        _fail(op, f"key_min must have shape [B, H_kv, ceil(S / block_size), D] = [{B}, {Hkv}, {-(-S // block_size)}, {D}], got {tuple(key_min.shape)}")
+        _fail(op, f"key_min must have shape [B, H_kv, ceil(S / block_size), D] = "
+                  f"[{B}, {Hkv}, {-(-S // block_size)}, {D}], got {tuple(key_min.shape)}")
     _check_int32_vec(op, "seq_lens", seq_lens, B, k_cache.device)
     _check_int32_vec(op, "start", start, B, k_cache.device)
     return None
@@ -602,7 +608,8 @@ def _quest_fake(q, key_min, key_max, num_blocks):
     _check_meta(op, key_min, key_max, B, D)
     Hkv = key_min.shape[1]
     if Hkv <= 0 or Hq % Hkv != 0:
-        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
+        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads "
+                  f"H_kv ({Hkv})")
     _check_int32_vec(op, "num_blocks", num_blocks, B, q.device)
     return q.new_empty((B, Hkv, key_min.shape[2]), dtype=torch.float32)
 
@@ -778,12 +785,14 @@ def _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_q
     if seq_lens.dim() != 1 or seq_lens.shape[0] != R or seq_lens.dtype != torch.int32:
         _fail(op, f"seq_lens must be int32 of shape [R] = [{R}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] != R + 1 or query_start_loc.dtype != torch.int32:
-        _fail(op, f"query_start_loc must be int32 of shape [R + 1] = [{R + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+        _fail(op, f"query_start_loc must be int32 of shape [R + 1] = [{R + 1}], got {query_start_loc.dtype} "
+                  f"{tuple(query_start_loc.shape)}")
     if key_cache.shape[3] != q.shape[2]:
         _fail(op, f"key_cache head_dim ({key_cache.shape[3]}) must equal q head_dim ({q.shape[2]})")
     Hq, Hkv = q.shape[1], key_cache.shape[1]
     if Hkv <= 0 or Hq <= 0 or Hq % Hkv != 0:
-        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads H_kv ({Hkv})")
+        _fail(op, f"the number of query heads H_q ({Hq}) must be a positive multiple of the number of KV heads "
+                  f"H_kv ({Hkv})")
     if num_queries < 1:
         _fail(op, f"num_queries must be >= 1, got {num_queries}")
     if not (math.isfinite(scale) and scale > 0):
@@ -814,7 +823,8 @@ def _paged_fallback(q, key_cache, block_table, seq_lens, query_start_loc, num_qu
 
 @torch.library.register_fake("vegas::paged_block_scores")
 def _paged_fake(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
-    R, Hkv, P = _check_paged("paged_block_scores", q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    R, Hkv, P = _check_paged("paged_block_scores", q, key_cache, block_table, seq_lens, query_start_loc, num_queries,
+                             scale)
     return q.new_empty((R, Hkv, P), dtype=torch.float32)
 
 

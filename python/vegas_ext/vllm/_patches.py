@@ -52,7 +52,8 @@ def cuda_allowed() -> bool:
 
 def is_vegas_spec(spec) -> bool:
     """Whether a ``SpeculativeConfig`` (or ``None``) selects the Vegas proposer."""
-    return spec is not None and getattr(spec, "method", None) == "custom_class" and getattr(spec, "model", None) == PROPOSER_PATH
+    return (spec is not None and getattr(spec, "method", None) == "custom_class"
+            and getattr(spec, "model", None) == PROPOSER_PATH)
 
 
 def _check_target(target_model_config, target_parallel_config) -> None:
@@ -65,7 +66,8 @@ def _check_target(target_model_config, target_parallel_config) -> None:
             f"vegas_ext.vllm: model type {mt!r} is not supported by the Vegas proposer; supported: "
             f"{list(SUPPORTED_MODEL_TYPES)} (decoder-only attention in one KV cache group)")
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True) and mt != "llama":
-        raise ValueError(f"vegas_ext.vllm: models with a sliding window are not supported (sliding_window={hf.sliding_window})")
+        raise ValueError(
+            f"vegas_ext.vllm: models with a sliding window are not supported (sliding_window={hf.sliding_window})")
     if not current_platform.is_cpu() and not (current_platform.is_cuda() and cuda_allowed()):
         raise ValueError(
             f"vegas_ext.vllm: the Vegas proposer is tested on vLLM's CPU platform (CPU_ATTN backend) only, "
