@@ -6,7 +6,7 @@ fp16 and bf16 ``F.linear`` (PyTorch's own low-precision CPU path) and the kernel
 (groups of 64) weights; rounds interleave the variants, medians are reported. GB/s = weight bytes
 read / time; the read bandwidth is a 512 MB fp32 ``sum`` (1 thread unless --threads).
 
-    python bench/bench_weight_only_linear.py --out bench/results/draft_weights/kernel.json
+    python -m bench.bench_weight_only_linear --out bench/results/draft_weights_xeon_avx512/kernel.json
 """
 import argparse
 import json

@@ -8,24 +8,20 @@ Also the next-token argmax agreement of a quantized forward with the fp32 model 
 prompt's last ``--agree-positions`` positions (one prefill forward per kind; int4 = groups of 32,
 simulated by dequantized weights, only measured, never decoded).
 
-    python bench/draft_weights_acceptance.py --out bench/results/draft_weights/acceptance.json
+    python -m bench.draft_weights_acceptance --out bench/results/draft_weights_xeon_avx512/acceptance.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import build_batch  # noqa: E402
-from common import pack_linears  # noqa: E402
-
-from vegas_ext import generate, models  # noqa: E402
-from vegas_ext.draft_weights import quantize_int8  # noqa: E402
+from bench.common import pack_linears
+from bench.e2e import build_batch
+from vegas_ext import generate, models
+from vegas_ext.draft_weights import quantize_int8
 
 
 def _fake_quant(w, kind):

@@ -9,8 +9,8 @@ ratio that long decodes on a shared machine cannot resolve. Both paths share one
 ``prefill_cache`` (the prompt's K/V are computed once, then copied), so the times are the
 decode loop plus each path's own preparation -- what going through HF adds.
 
-Usage: ``python bench/hf_generate_overhead.py --contexts 2048 8192 --batches 1 4 --new 16 --repeats 3
---out bench/results/hf_generate_overhead.jsonl``
+Usage: ``python -m bench.hf_generate_overhead --contexts 2048 8192 --batches 1 4 --new 16 --repeats 3
+--out bench/results/hf_generate_overhead_xeon_avx512/hf_generate_overhead.jsonl``
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import vegas_ext
-from decode_utils import FAMILIES, make_model, make_prompts, one_thread  # noqa: F401
 from vegas_ext import cli
+
+from decode_utils import FAMILIES, make_model, make_prompts, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

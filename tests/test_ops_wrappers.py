@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from op_utils import make_inputs, random_selection
 from vegas_ext import ops
+
+from op_utils import make_inputs, random_selection
 
 # wrapper -> (parameter names, defaults, per-row parameters)
 SIGNATURES = {

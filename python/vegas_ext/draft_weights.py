@@ -51,8 +51,8 @@ INT8_GROUP_SIZE = 64
 
 _INT4_REFUSED = ("draft_weights='int4' is not supported: 4-bit weights (groups of 32) agreed with the fp32 "
                  "model's next-token argmax on only 60-61 % of positions on SmolLM2-135M (issue 33; 53-71 % on "
-                 "three documents in bench/results/draft_weights), too few accepted drafts to pay for verifying "
-                 "them; use 'int8' (97-98 %) or 'fp16' (99.6-100 %)")
+                 "three documents in bench/results/draft_weights_xeon_avx512), too few accepted drafts to pay for "
+                 "verifying them; use 'int8' (97-98 %) or 'fp16' (99.6-100 %)")
 
 #: The :class:`DraftWeights` whose copies the wrapped linears use on this thread (None: the originals).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_active", default=None)

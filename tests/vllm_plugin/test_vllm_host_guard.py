@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from vllm_utils import ENV, HERE, tiny_llama_dir
 from vegas_ext.vllm.compat import SUPPORTED_RANGE, TESTED
+
+from vllm_utils import ENV, HERE, tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
