@@ -20,26 +20,36 @@ __all__ = ["main"]
 _CLI = "vegas_ext.cli"
 
 
+def _load_by_path(name: str, path: str):
+    """Executes the package file ``path`` as module ``name`` without running the package's
+    ``__init__``; registered under its real name, so a later ``import name`` finds it."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
 def _load_cli():
-    """:mod:`vegas_ext.cli`, executed without running ``vegas_ext/__init__.py`` first."""
+    """:mod:`vegas_ext.cli` (and the standard-library :mod:`vegas_ext.config` it checks options
+    with), executed without running ``vegas_ext/__init__.py`` first."""
     if "vegas_ext" in sys.modules or _CLI in sys.modules:  # already imported: nothing to save
         return importlib.import_module(_CLI)
     spec = importlib.util.find_spec("vegas_ext")  # locates the package without importing it
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    path = next((os.path.join(d, "cli.py") for d in locations if os.path.isfile(os.path.join(d, "cli.py"))), None)
-    if path is None:  # unusual install (zip, namespace package): the ordinary, slower import
+    folder = next((d for d in locations if os.path.isfile(os.path.join(d, "cli.py"))
+                   and os.path.isfile(os.path.join(d, "config.py"))), None)
+    if folder is None:  # unusual install (zip, namespace package): the ordinary, slower import
         return importlib.import_module(_CLI)
-    cli_spec = importlib.util.spec_from_file_location(_CLI, path)
-    module = importlib.util.module_from_spec(cli_spec)
-    # registered under its real name, so its relative imports (``from . import generate``) later
-    # import the package as usual and ``import vegas_ext.cli`` finds this same module
-    sys.modules[_CLI] = module
-    try:
-        cli_spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(_CLI, None)
-        raise
-    return module
+    # the cli's relative imports of the decode side (``from . import generate``) later import the
+    # package as usual
+    if "vegas_ext.config" not in sys.modules:
+        _load_by_path("vegas_ext.config", os.path.join(folder, "config.py"))
+    return _load_by_path(_CLI, os.path.join(folder, "cli.py"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import json
 import math
 import os
@@ -26,7 +27,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import config
+# preloaded without the package by the console script (vegas_ext_cli), so parsing needs no torch
+config = sys.modules.get(f"{__package__}.config") or importlib.import_module(".config", __package__)
 
 #: Algorithms ``--algorithm`` accepts, checked before torch is imported (a test keeps this equal
 #: to the decode loop's registry, ``vegas_ext.decode.SELECTION_ALGORITHMS`` with the rivals).
