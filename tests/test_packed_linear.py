@@ -433,3 +433,24 @@ def test_torch_compile_of_a_packed_linear_runs_f_linear():
         torch.testing.assert_close(f(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
         lin.weight.data.mul_(2.0)
         torch.testing.assert_close(f(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("change", ["data_t", "t_", "as_strided_"])
+def test_packed_linear_sees_a_new_view_of_the_same_storage(change):
+    """Regression (break test): the weight re-viewed in place (same tensor, same storage, other
+    strides) must not keep the old packed copy."""
+    m = nn.Sequential(nn.Linear(64, 64))
+    if not can_pack(m[0]):
+        pytest.skip("this PyTorch cannot pack linears (no oneDNN)")
+    pack_linear_weights(m, min_rows=1)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        m(x)
+        w = m[0].weight
+        if change == "data_t":
+            w.data = w.data.t()
+        elif change == "t_":
+            w.t_()
+        else:
+            w.as_strided_((64, 64), (1, 64))
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m[0].weight, m[0].bias), atol=1e-5, rtol=1e-5)

@@ -159,3 +159,18 @@ def test_prefill_cache_unchanged_model_is_reused_plain_and_packed():
         vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
         packed = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
         assert packed.stats["prefill_reused"] and torch.equal(packed.sequences, ref)
+
+
+@pytest.mark.parametrize("view", ["transposed", "neg"])
+def test_prefill_cache_is_not_reused_after_a_weight_became_another_view_of_its_storage(view):
+    """Regression (break test): a parameter replaced by a strided or negated view of its own storage
+    (same storage address and version) changes the function: no reuse, exact tokens."""
+    m, ids, mask = _case_model_and_prompts()
+    pc = {}
+    vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    o = m.model.layers[0].self_attn.o_proj
+    with torch.no_grad():
+        o.weight = torch.nn.Parameter(o.weight.t() if view == "transposed" else o.weight._neg_view())
+    out = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not out.stats["prefill_reused"]
+    assert torch.equal(out.sequences, hf_greedy(m, ids, mask, 8, eos_token_id=[]))

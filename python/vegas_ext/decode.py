@@ -292,12 +292,13 @@ _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torc
 
 
 def _tensor_key(t: Tensor) -> tuple:
-    """A tensor's identity for :func:`_model_fingerprint`: storage (and offset), in-place version,
-    dtype, device, shape. Not ``data_ptr()``: it materializes a copy-on-write storage, which makes
+    """A tensor's identity for :func:`_model_fingerprint`: storage (offset, strides, neg/conj views),
+    in-place version, dtype, device, shape. Not ``data_ptr()``: it materializes a copy-on-write storage, which makes
     packed linears repack (see :mod:`vegas_ext.packed_linear`)."""
     try:
         st = t.untyped_storage()
-        return ("tensor", st._cdata, t.storage_offset(), t._version, t.dtype, t.device, tuple(t.shape))
+        return ("tensor", st._cdata, t.storage_offset(), t.stride(), t.is_neg(), t.is_conj(), t._version, t.dtype,
+                t.device, tuple(t.shape))
     except (RuntimeError, NotImplementedError):  # no storage (an opaque oneDNN tensor): the object itself
         return ("opaque tensor", id(t), t.layout, t.dtype, t.device, tuple(t.shape))
 

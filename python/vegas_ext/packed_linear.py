@@ -70,12 +70,18 @@ def _packable_weight(w) -> bool:
             and w.dim() == 2)
 
 
+def _geometry(w) -> tuple:
+    """How ``w`` views its storage: a ``weight.data = weight.data.t()``, ``t_()`` or ``as_strided_``
+    keeps the tensor and the storage but changes what the weight is."""
+    return (tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, w.is_neg(), w.is_conj())
+
+
 def _fresh(p: Optional[tuple], w) -> bool:
     """Whether the cache entry ``p`` (see ``PackedLinear._init_cache``) is of weight ``w`` as it is now.
-    A write through any alias materializes the copy-on-write storage; a new tensor or a new storage
-    (``weight.data = ...``) fails the identity checks."""
+    A write through any alias materializes the copy-on-write storage; a new tensor, a new storage
+    (``weight.data = ...``) or another view of the same storage fails the identity checks."""
     return (p is not None and p[0] is w and w.untyped_storage()._cdata == p[1]
-            and (p[3] is None or _is_cow(w)))
+            and p[4] == _geometry(w) and (p[3] is None or _is_cow(w)))
 
 
 def can_pack(linear: nn.Module) -> bool:
@@ -159,7 +165,7 @@ class PackedLinear(nn.Module):
                     else:
                         packed = None
             storage = w.untyped_storage()
-            self._pack = (w, storage._cdata, storage, packed)
+            self._pack = (w, storage._cdata, storage, packed, _geometry(w))
             self.repacks += packed is not None
             return self._pack
 
