@@ -717,3 +717,26 @@ def test_draft_weights_int4_is_refused_in_one_line(tiny_model_dir, capsys):
                             "--no-progress", "--draft-weights", "int4"], capsys)
     line = _assert_one_line_error(rc, out, err)
     assert "int4" in line and "60-61 %" in line
+
+
+@pytest.mark.parametrize("options", [{"repetition_penalty": 3.0}, {"suppress_tokens": list(range(10, 20))},
+                                     {"no_repeat_ngram_size": 1}])
+def test_compare_baseline_ignores_the_models_generation_config_processors(tiny_model_dir, tmp_path, capsys, options):
+    """Regression (break test): HF fills options left at their defaults from the model's
+    generation_config, so a saved repetition penalty / suppressed tokens turned --compare's
+    "plain greedy" baseline into something else (a false "lossless violation", or a crash on a
+    -inf logit). The baseline is plain greedy decoding, as the loop decodes; the loop warns."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = str(tmp_path / "with-gc")
+    shutil.copytree(tiny_model_dir, folder)
+    GenerationConfig(**options).save_pretrained(folder)
+    with pytest.warns(UserWarning, match="generation_config sets"):
+        rc, out, err = run_cli(["generate", "--model", folder, "--prompt", "the house of mr bennet said",
+                                "--max-new-tokens", "12", "--num-speculative-tokens", "2", "--ignore-eos",
+                                "--compare", "--no-progress", "--json"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["identical"] is True and d["plain_identical"] is True, d.get("first_difference")

@@ -542,6 +542,8 @@ def _ulp(x: float, dtype) -> float:
 
     eps = torch.finfo(dtype).eps
     tiny = torch.finfo(dtype).tiny
+    if not math.isfinite(x):  # a masked logit (-inf): no rounding scale, never a near-tie
+        return math.inf
     ax = max(abs(x), tiny)
     return eps * 2.0 ** math.floor(math.log2(ax))
 
@@ -647,10 +649,16 @@ def _run_hf(model, ids, mask, max_new_tokens, eos, pad_id, progress: Optional[Ru
     kw = {}
     if recorder is not None:
         kw["logits_processor"] = LogitsProcessorList([recorder])
+    # HF fills options left at their defaults from model.generation_config (a repetition penalty,
+    # suppressed tokens, ...): the baseline is plain greedy decoding, as our loop decodes
+    saved, model.generation_config = model.generation_config, GenerationConfig()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
-                             streamer=progress.streamer if progress is not None else None, **kw)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                                 streamer=progress.streamer if progress is not None else None, **kw)
+    finally:
+        model.generation_config = saved
     _sync(ids.device)
     return out, time.perf_counter() - t0
 

@@ -36,7 +36,7 @@ from . import config
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
 from .draft_weights import check_draft_weights, draft_weights_for
-from .hf import AttentionState, patched
+from .hf import AttentionState, check_model_supported, patched
 from .selection import (
     SELECTION_ALGORITHMS,
     FullAttention,
@@ -617,6 +617,33 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+#: generation-config options whose logits processors plain ``model.generate`` applies and this
+#: loop does not (it decodes plain greedy / sampling), with their neutral values
+_PROCESSOR_OPTIONS = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "min_length": 0,
+    "min_new_tokens": None,
+}
+
+
+def generation_config_processors(model) -> dict:
+    """The options of ``model.generation_config`` that would make plain ``model.generate`` apply
+    logits processors (a repetition penalty, suppressed tokens, ...), as ``{name: value}``; empty
+    when it decodes plainly. :func:`generate` does not apply them (it warns);
+    ``model.generate(..., custom_generate=vegas_ext.hf.generate)`` does."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return {}
+    out = {}
+    for name, neutral in _PROCESSOR_OPTIONS.items():
+        v = getattr(gc, name, neutral)
+        if v not in (neutral, None, [], ()):
+            out[name] = v
+    return out
+
+
 def _eos_and_pad(model, eos_token_id, pad_token_id):
     """``(eos ids, pad id)``: the given ones, else the generation config's / config's (pad: else
     the first EOS, else 0); checked by :func:`vegas_ext.config.check_token_ids` /
@@ -677,6 +704,24 @@ def _check_prefill_cache(pc) -> None:
         raise config.OptionTypeError(f"prefill_cache['model'] must be a weak reference, got {type(ref).__name__}")
 
 
+def _check_model(model) -> None:
+    """``model`` is a Hugging Face causal LM (``*ForCausalLM``: a generation config and an output
+    head) of a supported ``config.model_type``; else an error naming ``model`` (a ``TypeError``,
+    also a ``ValueError``, for something that is not a ``torch.nn.Module`` at all). The checks that
+    depend on the context (sliding window, RoPE) come with the prompts."""
+    expect = f"a Hugging Face causal LM (*ForCausalLM) of a supported type ({', '.join(config.SUPPORTED_MODEL_TYPES)})"
+    if not isinstance(model, torch.nn.Module):
+        raise config.OptionTypeError(f"model must be {expect}, got {config._describe(model)} of type "
+                                     f"{type(model).__name__}")
+    mtype = getattr(getattr(model, "config", None), "model_type", None)
+    if mtype not in config.SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model must be {expect}, got {type(model).__name__} (model_type={mtype!r})")
+    head = getattr(model, "get_output_embeddings", None)
+    if getattr(model, "generation_config", None) is None or not callable(head) or head() is None:
+        raise ValueError(f"model must be {expect}, got {type(model).__name__}, which has no language-model head "
+                         "or generation config (pass the *ForCausalLM, not its base model)")
+
+
 def _left_padded_prompts(model, input_ids, attention_mask, streamer):
     """Checks the prompts; returns ``(input_ids on the model's device, prompt_lens [B], device,
     max_pos)``."""
@@ -700,6 +745,10 @@ def _left_padded_prompts(model, input_ids, attention_mask, streamer):
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
                          f"{tuple(input_ids.shape)}")
     attention_mask = attention_mask.to(device)
+    binary = (attention_mask == 0) | (attention_mask == 1)  # NaN fails both
+    if not bool(binary.all()):
+        bad = attention_mask[~binary][0].item()
+        raise ValueError(f"attention_mask values must be 0 or 1 (1: a prompt token, 0: left padding), got {bad!r}")
     prompt_lens = attention_mask.long().sum(1)
     ar_t = torch.arange(T, device=device)
     expect = (ar_t[None, :] >= (T - prompt_lens)[:, None]).long()
@@ -934,6 +983,7 @@ def generate(
       choices (same run: shared 4.93, shared + first/last 4.88, default 4.87, first/last alone
       4.70), and per-head selection is what the kernels are built for.
     """
+    _check_model(model)
     opts = _check_options(
         max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
         max_speculative_tokens=max_speculative_tokens,
@@ -951,8 +1001,15 @@ def generate(
     block_size, num_sink_blocks = opts["block_size"], opts["num_sink_blocks"]
     selection_refresh_interval, top_k = opts["selection_refresh_interval"], opts["top_k"]
     temperature, top_p = opts["temperature"], opts["top_p"]
+    sparse_attn_algorithm, query_weights = opts["sparse_attn_algorithm"], opts["query_weights"]
     _check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
+    if logits_processor is None and generation_config_processors(model):
+        warnings.warn(
+            f"vegas generate: model.generation_config sets {generation_config_processors(model)}, which plain "
+            "model.generate applies as logits processors; vegas_ext.generate decodes without them (plain greedy "
+            "/ sampling). Use model.generate(..., custom_generate=vegas_ext.hf.generate) to apply them.",
+            stacklevel=2)
     check_draft_weights(draft_weights)
     for name, fn in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
         if fn is not None and not callable(fn):
@@ -1024,7 +1081,8 @@ def generate(
         "draft_weights": draft_weights,
     }
     stats = DecodeStats.for_gamma(gamma)
-    if max_new_tokens == 0:
+    if max_new_tokens == 0:  # no forward, but the same model checks as a decoding call
+        check_model_supported(model, need_ctx)
         return GenerateOutput(sequences=input_ids.clone(), stats={**stats.as_dict(0.0, 0), **config_used})
 
     filler = pad_token_id if 0 <= pad_token_id < int(config.vocab_size) else 0
