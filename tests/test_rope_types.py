@@ -132,3 +132,16 @@ def test_unknown_rope_type_and_layer_type_are_refused(family):
     m.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"config\.layer_types entries \['chunked_attention'\]"):
         vegas_ext.generate(m, ids, mask, max_new_tokens=4)
+
+
+def test_dynamic_rope_refuses_a_batch_a_row_of_which_would_pass_max_position_embeddings():
+    """Regression (break test): plain decoding of a ragged batch whose long row goes past
+    max_position_embeddings rescales the dynamic RoPE of every row, which the loop (capping that
+    row) cannot reproduce: refused naming max_new_tokens; within the limit it is exact."""
+    m = make_model("llama", rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0),
+                   max_position_embeddings=64, initializer_range=0.15)
+    ids, mask = make_prompts(m.config.vocab_size, [60, 5], seed=0)
+    with pytest.raises(ValueError, match=r"max_new_tokens=40: with rope_type='dynamic'.*at most 5"):
+        vegas_ext.generate(m, ids, mask, max_new_tokens=40, num_speculative_tokens=3, eos_token_id=[], pad_token_id=0)
+    out = vegas_ext.generate(m, ids, mask, max_new_tokens=5, num_speculative_tokens=3, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(out.sequences, hf_greedy(m, ids, mask, 5, eos_token_id=[]))

@@ -36,7 +36,7 @@ from . import config
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
 from .draft_weights import check_draft_weights, draft_weights_for
-from .hf import AttentionState, check_model_supported, patched
+from .hf import AttentionState, check_model_supported, patched, rope_types
 from .selection import (
     SELECTION_ALGORITHMS,
     FullAttention,
@@ -1024,6 +1024,14 @@ def generate(
 
     limit_new = torch.clamp(max_pos - prompt_lens + 1, max=max_new_tokens)
     if bool((limit_new < max_new_tokens).any()):
+        if "dynamic" in rope_types(model.config) and int(limit_new.min()) < int(limit_new.max()):
+            # plain decoding would go past max_position_embeddings with one row while others still
+            # decode, and rescale the rotary frequencies of the whole batch from there
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens}: with rope_type='dynamic' no row may pass "
+                f"max_position_embeddings={max_pos} (plain decoding would rescale the rotary frequencies of the "
+                "whole batch there, which a capped row cannot reproduce); lower max_new_tokens to at most "
+                f"{int((max_pos - prompt_lens + 1).min())}")
         warnings.warn(
             f"vegas generate: max_new_tokens={max_new_tokens} capped so no row goes past "
             f"max_position_embeddings={max_pos}",

@@ -278,6 +278,12 @@ def _grown_dynamic_rope(model) -> Optional[int]:
     return None
 
 
+def rope_types(config) -> set:
+    """The RoPE types of ``config`` (``"default"`` without RoPE parameters)."""
+    return {rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
+            for _, rp in _rope_parameter_sets(config)}
+
+
 def _check_rope(model, config, need: int) -> None:
     """Refuse RoPE settings whose result would depend on how the positions are split into forwards.
 
