@@ -10,7 +10,6 @@ naming the option.
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 
 import pytest
@@ -297,16 +296,9 @@ def _chi2_pvalue(counts, probs):
 
 def _exact_joint(model, prompt, procs):
     """Exact joint distribution of the next K_NEW tokens under plain sampling with ``procs``."""
-    V = V_SMALL
-    joint = torch.ones(())
-    with torch.inference_mode():
-        for k in range(K_NEW):
-            prefixes = torch.tensor(list(itertools.product(range(V), repeat=k)), dtype=torch.long).view(V**k, k)
-            seqs = torch.cat([prompt.expand(V**k, -1), prefixes], 1)
-            logits = model(input_ids=seqs).logits[:, -1].float()
-            probs = torch.softmax(procs(seqs, logits), -1)
-            joint = (joint.reshape(-1, 1) * probs).reshape([V] * (k + 1))
-    return joint
+    from test_spec_sampling import _exact_joint
+
+    return _exact_joint(model, prompt, procs)
 
 
 def test_sampling_with_processors_keeps_the_target_distribution():

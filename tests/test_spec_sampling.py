@@ -143,7 +143,8 @@ def _small_model():
 
 
 def _exact_joint(model, prompt, warpers):
-    """Exact joint distribution of the next K_NEW tokens under the warped target, ``[V]*K``."""
+    """Exact joint distribution of the next K_NEW tokens under the warped target, ``[V]*K``;
+    ``warpers(input_ids, scores)``: any HF-style logits processor list (applied with each prefix)."""
     V = V_SMALL
     joint = torch.ones(())
     with torch.inference_mode():
@@ -151,7 +152,7 @@ def _exact_joint(model, prompt, warpers):
             prefixes = torch.tensor(list(itertools.product(range(V), repeat=k)), dtype=torch.long).view(V**k, k)
             seqs = torch.cat([prompt.expand(V**k, -1), prefixes], 1)
             logits = model(input_ids=seqs).logits[:, -1].float()
-            probs = torch.softmax(warpers(None, logits) if len(warpers) else logits, -1)  # [V^k, V]
+            probs = torch.softmax(warpers(seqs, logits), -1)  # [V^k, V]
             joint = (joint.reshape(-1, 1) * probs).reshape([V] * (k + 1))
     return joint
 
