@@ -454,3 +454,56 @@ def test_packed_linear_sees_a_new_view_of_the_same_storage(change):
         else:
             w.as_strided_((64, 64), (1, 64))
         torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m[0].weight, m[0].bias), atol=1e-5, rtol=1e-5)
+
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def _prune(m):
+    import torch.nn.utils.prune  # noqa: F401  (not loaded by `import torch`)
+
+    torch.nn.utils.prune.l1_unstructured(m, "weight", 0.3)
+
+
+def _weight_norm(m):
+    torch.nn.utils.parametrizations.weight_norm(m)
+
+
+def _spectral_norm(m):
+    torch.nn.utils.parametrizations.spectral_norm(m)
+
+
+def _parametrize(m):
+    torch.nn.utils.parametrize.register_parametrization(m, "weight", _Double())
+
+
+def _parametrize_bias(m):
+    torch.nn.utils.parametrize.register_parametrization(m, "bias", _Double())
+
+
+@pytest.mark.parametrize("make", [_prune, _weight_norm, _spectral_norm, _parametrize, _parametrize_bias])
+def test_packed_linear_with_a_computed_weight_is_nn_linear(make):
+    """Pruned or parametrized (weight_norm, spectral_norm, register_parametrization): the weight is no
+    plain parameter any more; forward is F.linear on the computed weight, exactly nn.Linear's result."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    ref = copy.deepcopy(lin)
+    p = PackedLinear(lin, min_rows=1)
+    for m in (p, ref):
+        torch.manual_seed(1)  # spectral_norm's random start vectors
+        make(m)
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        for _ in range(2):  # spectral_norm's power iteration updates its vectors in training mode
+            assert torch.equal(p(x), ref(x))
+            assert torch.equal(p(x[:1]), ref(x[:1]))
+    p.eval(), ref.eval()
+    with torch.no_grad():
+        assert torch.equal(p(x), nn.functional.linear(x, p.weight, p.bias))
+        assert torch.equal(p(x), ref(x))
+    assert torch.equal(p(x), ref(x))  # with autograd too
+    if make is _prune:  # made permanent: a plain parameter again, packed and followed
+        torch.nn.utils.prune.remove(p, "weight")
+        _close_to_linear(p, x)

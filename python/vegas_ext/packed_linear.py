@@ -185,18 +185,20 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         params = self._parameters  # what self.weight returns, without nn.Module.__getattr__ (~1 us)
-        w = params["weight"]
+        try:
+            w, b = params["weight"], params["bias"]
+        except KeyError:  # no plain parameter any more (pruned, weight_norm, spectral_norm, parametrized)
+            return nn.functional.linear(x, self.weight, self.bias)  # the computed weight, as nn.Linear
         if _compiling():  # Inductor packs constant weights itself (freezing) and cannot lower ours
-            return nn.functional.linear(x, w, params["bias"])
+            return nn.functional.linear(x, w, b)
         packed = self._current(w)
         if packed is None or _autocast_on():
-            return nn.functional.linear(x, w, params["bias"])
+            return nn.functional.linear(x, w, b)
         if (not isinstance(x, Tensor) or x.dtype is not torch.float32 or not x.is_cpu
                 or x.shape[-1:] != (self.in_features,)):
             raise ValueError(f"x: expected a float32 CPU tensor [..., {self.in_features}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)} with shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
-        b = params["bias"]
         if (x.numel() < self.min_rows * self.in_features
                 or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
             return nn.functional.linear(x, w, b)
