@@ -257,7 +257,14 @@ CLI_CASES = {
     "refresh_huge": (["--refresh-interval", "99999999999999999999"], "--refresh-interval must be an integer"),
     "top_k_huge": (["--top-k", "99999999999999999999"], "--top-k must be an integer"),
     "batch_huge": (["--batch-size", "99999999999999999999"], "--batch-size must be an integer"),
-    "temperature_inf": (["--do-sample", "--temperature", "inf"], "--temperature must be a finite number > 0"),
+    "temperature_inf": (["--do-sample", "--temperature", "inf"], "--temperature must be a finite number >= 1e-05"),
+    "temperature_tiny": (["--do-sample", "--temperature", "1e-40"], "--temperature must be a finite number >= 1e-05"),
+    "gamma_underscore": (["--gamma", "1_0"], "--num-speculative-tokens must be an integer"),
+    "num_spec_underscore": (["--num-speculative-tokens", "1_0"], "--num-speculative-tokens must be an integer"),
+    "num_spec_spaces": (["--num-speculative-tokens", " 4 "], "--num-speculative-tokens must be an integer"),
+    "top_k_underscore": (["--top-k", "1_0"], "argument --top-k: must be an integer, got '1_0'"),
+    "max_new_arabic_digits": (["--max-new-tokens", "\u0661\u0660"], "argument --max-new-tokens: must be an integer"),
+    "seed_spaces": (["--seed", " 5"], "argument --seed: must be an integer"),
     "ratio_inf": (["--ratio", "inf"], "--ratio must be a finite number"),
     "max_below_min": (["--max-tokens", "10"], "--max-tokens must be an integer >= max(1, --min-tokens) = 256"),
 }
@@ -311,3 +318,125 @@ def test_case_010_cli_stdin_real_process(tmp_path):
         assert cli._read_stdin() == "a\nb \u00e9\n"
     finally:
         sys.stdin = old
+
+
+# ------------------------------------------------------------------ robustness: model, mask, CLI input
+@pytest.mark.parametrize("what", ["none", "str", "base_model"])
+def test_generate_names_model_when_it_is_not_a_causal_lm(case, what):
+    model = {"none": None, "str": "HuggingFaceTB/SmolLM2-135M", "base_model": case[0].model}[what]
+    with pytest.raises(ValueError, match=r"^model must be a Hugging Face causal LM \(\*ForCausalLM\) of a "
+                                         r"supported type \(llama, qwen2, qwen3, mistral\)") as e:
+        _gen((model, case[1], case[2]))
+    assert isinstance(e.value, TypeError) == (what != "base_model")  # not a module at all: a type error
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 2])
+def test_generate_refuses_an_unsupported_model_even_for_zero_new_tokens(case, max_new_tokens):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2)).eval()
+    with pytest.raises(ValueError, match=r"^model must be .*got GPT2LMHeadModel \(model_type='gpt2'\)"):
+        _gen((gpt2, case[1], case[2]), max_new_tokens=max_new_tokens)
+    assert _gen(case, max_new_tokens=0).sequences.shape == case[1].shape  # a supported one still returns
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 2, 0.5, -1, float("inf")])
+def test_attention_mask_values_must_be_0_or_1(case, bad):
+    mask = case[2].double()
+    mask[0, -1] = bad  # in the prompt's ones: 2 made a row longer than the input, NaN a huge index
+    with pytest.raises(ValueError, match=r"^attention_mask values must be 0 or 1"):
+        _gen(case, attention_mask=mask)
+    mask = case[2].clone()
+    mask[1, 0] = 1  # 0/1 but not left padding: still said so
+    with pytest.raises(ValueError, match="^attention_mask must be left padding"):
+        _gen(case, attention_mask=mask)
+
+
+def test_attention_masks_of_0_and_1_in_any_dtype_are_accepted(case):
+    ref = _gen(case, max_new_tokens=2).sequences
+    for mask in (case[2].bool(), case[2].float(), case[2].int()):
+        assert torch.equal(_gen(case, attention_mask=mask, max_new_tokens=2).sequences, ref)
+
+
+class _MyStr(str):
+    pass
+
+
+def test_str_subclasses_equal_to_a_choice_are_that_choice(case):
+    for v in (_MyStr("all"), np.str_("all")):
+        assert config.OPTIONS["query_weights"].check(v) == "all"
+        assert type(config.OPTIONS["query_weights"].check(v)) is str
+    assert config.check_selection({"sparse_attn_algorithm": np.str_("vegas")})["sparse_attn_algorithm"] == "vegas"
+    assert config.check_speculation({"num_speculative_tokens": np.str_("auto")}) == {"num_speculative_tokens": "auto"}
+    assert VegasOptions(sparse_attn_algorithm=np.str_("vegas")).sparse_attn_algorithm == "vegas"
+    ref = _gen(case, max_new_tokens=2)
+    out = _gen(case, max_new_tokens=2, sparse_attn_algorithm=np.str_("vegas"), query_weights=_MyStr("all"),
+               num_speculative_tokens=np.str_("auto"))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert type(out.stats["sparse_attn_algorithm"]) is str and type(out.stats["query_weights"]) is str
+    with pytest.raises(ValueError, match=r"^query_weights must be one of 'all', 'first_last', "
+                                         r"got 'some' \(a _MyStr\)$"):
+        config.OPTIONS["query_weights"].check(_MyStr("some"))
+    with pytest.raises(ValueError, match=r"got 'x'$"):
+        config.OPTIONS["query_weights"].check("x")
+    with pytest.raises(ValueError, match=r"^draft_weights must be one of"):  # None stays compared by type
+        config.OPTIONS["draft_weights"].check("None")
+
+
+def test_vllm_max_below_min_names_the_bound_plainly():
+    with pytest.raises(ValueError) as e:
+        speculative_config(sparse_attn_max_tokens=10)
+    assert str(e.value) == ("vegas_ext.vllm: sparse_attn_max_tokens must be None or an integer >= "
+                            "max(1, sparse_attn_min_tokens) = 256, got 10")
+
+
+@pytest.mark.parametrize("t", [1e-40, 1e-38, 0.0, 9.9e-6])
+def test_sampling_temperature_has_a_floor(case, t):
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 1e-05, got"):
+        _gen(case, do_sample=True, temperature=t, generator=torch.Generator().manual_seed(0))
+    _gen(case, do_sample=False, temperature=t, max_new_tokens=1)  # greedy ignores it, as HF does
+
+
+def test_sampling_at_the_smallest_temperature_is_greedy(case):
+    out = _gen(case, do_sample=True, temperature=config.MIN_TEMPERATURE, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.sequences, _gen(case).sequences)
+
+
+def test_cli_prompt_file_stdin_closed(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", None)
+    rc, out, err = _run_cli(["generate", "--prompt-file", "-", *_NO_MODEL], capsys)
+    assert "--prompt-file -: no stdin to read" in _one_line_error(rc, out, err)
+
+
+def test_cli_prompt_file_stdin_closed_real_process():
+    argv = [sys.executable, "-m", "vegas_ext", "generate", "--prompt-file", "-", *_NO_MODEL]
+    r = subprocess.run(["bash", "-c", 'exec "$@" <&-', "bash", *argv], capture_output=True, env=_env(), timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err == "vegas: error: --prompt-file -: no stdin to read (it is closed)\n", err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_fd"])
+def test_cli_prompt_file_from_a_pipe(kind, tmp_path):
+    """`--prompt-file <(cmd)`: a /dev/fd path or a FIFO is read like a file."""
+    import threading
+
+    if kind == "fifo":
+        path = str(tmp_path / "prompt")
+        os.mkfifo(path)
+
+        def write():
+            with open(path, "w") as f:
+                f.write("the prompt\n")
+        threading.Thread(target=write, daemon=True).start()
+    else:
+        r, w = os.pipe()
+        os.write(w, b"the prompt\n")
+        os.close(w)
+        path = f"/dev/fd/{r}"
+    args = cli.build_parser().parse_args(["generate", "--prompt-file", path, *_NO_MODEL])
+    try:
+        assert cli._read_prompts(args) == ["the prompt\n"]
+    finally:
+        if kind == "dev_fd":
+            os.close(r)

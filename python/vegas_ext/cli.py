@@ -65,13 +65,26 @@ class _Parser(argparse.ArgumentParser):
 # ---------------------------------------------------------------------------------------------
 # argument parsing (standard library only)
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
+def _parse_int(s: str) -> Optional[int]:
+    """``s`` as an int if it is plain decimal digits with an optional sign, else None (``int()``
+    would also take ``1_0``, surrounding spaces and non-ASCII digits)."""
+    if not _DECIMAL.fullmatch(s):
+        return None
+    try:
+        return int(s)
+    except ValueError:  # more digits than int() converts
+        return None
+
+
 def _int(name):
     """argparse type: an integer (range checks happen in _validate, with clearer messages)."""
     def parse(s):
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}") from None
+        v = _parse_int(s)
+        if v is None:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}")
         return v
     return parse
 
@@ -168,10 +181,9 @@ def _validate(args) -> None:
     checks them, named by their flags; the CLI's own flags here."""
     gamma = args.num_speculative_tokens
     if gamma != "auto":
-        try:
-            gamma = args.num_speculative_tokens = int(gamma)
-        except ValueError:
-            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {gamma!r}") from None
+        if _parse_int(gamma) is None:
+            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {gamma!r}")
+        gamma = args.num_speculative_tokens = _parse_int(gamma)
     values = dict(
         max_new_tokens=args.max_new_tokens, num_speculative_tokens=gamma,
         max_speculative_tokens=args.max_speculative_tokens, sparse_attn_algorithm=args.algorithm,
@@ -217,7 +229,8 @@ def _read_prompts(args) -> List[str]:
         else:
             if os.path.isdir(args.prompt_file):
                 raise CLIError(f"--prompt-file {args.prompt_file} is a directory, not a text file")
-            if not os.path.isfile(args.prompt_file):
+            # any other readable path: a pipe (<(cmd), /dev/fd/N, a FIFO) or a device as well as a file
+            if not os.path.exists(args.prompt_file):
                 raise CLIError(f"prompt file not found: {args.prompt_file}")
             try:
                 with open(args.prompt_file, encoding="utf-8") as f:
@@ -239,6 +252,8 @@ def _read_prompts(args) -> List[str]:
 
 def _read_stdin() -> str:
     """The prompt from stdin (``--prompt-file -``) as UTF-8 text, whatever the locale says."""
+    if sys.stdin is None:  # stdin closed (`<&-`) or none given (pythonw, some embedders)
+        raise CLIError("--prompt-file -: no stdin to read (it is closed)")
     buf = getattr(sys.stdin, "buffer", None)
     try:
         if buf is None:  # a text stream without bytes underneath (tests, embedding)
@@ -246,6 +261,8 @@ def _read_stdin() -> str:
         return buf.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode's newlines
     except UnicodeDecodeError as e:
         raise CLIError(f"--prompt-file -: stdin is not UTF-8 text ({e})") from None
+    except (OSError, ValueError) as e:  # a stdin that cannot be read (closed file object, EBADF, EISDIR)
+        raise CLIError(f"--prompt-file -: cannot read stdin ({e})") from None
 
 
 def _encode(tok, prompts: List[str], chat: bool) -> List[List[int]]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 __all__ = [
-    "INT32_MAX", "INT64_MAX", "INT64_MIN", "SEED_MAX", "MAX_BATCH_SIZE",
+    "INT32_MAX", "INT64_MAX", "INT64_MIN", "SEED_MAX", "MAX_BATCH_SIZE", "MIN_TEMPERATURE",
     "ALGORITHMS", "VLLM_ALGORITHMS", "DEFAULT_BLOCK_SIZE", "SUPPORTED_MODEL_TYPES", "QUERY_WEIGHTS",
     "DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS", "OptionTypeError",
     "check_int", "check_float", "check_bool", "check_choice", "check_token_ids",
@@ -60,6 +60,10 @@ SUPPORTED_MODEL_TYPES: Tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 QUERY_WEIGHTS: Tuple[str, ...] = ("all", "first_last")
 #: ``draft_weights``: the precision of the weights the draft steps read (``None``: the model's own).
 DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8", "int4")
+#: The smallest sampling ``temperature``: the fp32 logits are divided by it, and below ~1e-37 a
+#: logit of a few units overflows to ``inf`` (the softmax gives NaN); at 1e-5 a logit would have to
+#: exceed 3e33 to overflow. Lower it toward greedy with ``do_sample=False`` instead.
+MIN_TEMPERATURE = 1e-5
 #: The model dtypes the Vegas ops compute in (``str(torch.float32)`` without ``"torch."``).
 MODEL_DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -165,13 +169,29 @@ def check_bool(v: Any, name: str) -> bool:
     return v
 
 
+def _str_value(v: Any) -> Optional[str]:
+    """The plain ``str`` value of ``v`` if it is a ``str`` (a subclass too: ``numpy.str_``, a
+    user's ``str`` subclass; read without its own ``__str__`` / ``__eq__``), else ``None``."""
+    return str.__str__(v) if isinstance(v, str) else None
+
+
 def check_choice(v: Any, name: str, choices: Iterable[Any]) -> Any:
-    """``v`` if it is one of ``choices`` (compared by type and value: ``1`` is not ``True``)."""
+    """The choice ``v`` is (compared by type and value: ``1`` is not ``True``); a ``str`` subclass
+    (``numpy.str_``) whose value is a string choice counts as that choice and is returned as the
+    plain ``str``."""
     choices = tuple(choices)
-    if not any(type(v) is type(c) and v == c for c in choices):
-        shown = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {shown}, got {_describe(v)}")
-    return v
+    sv = _str_value(v)
+    for c in choices:
+        if type(c) is str and sv is not None:
+            if sv == c:
+                return c
+        elif type(v) is type(c) and v == c:
+            return v
+    shown = ", ".join(repr(c) for c in choices)
+    got = _describe(v if sv is None or type(v) is str else sv)
+    if sv is not None and type(v) is not str:
+        got += f" (a {type(v).__name__})"
+    raise ValueError(f"{name} must be one of {shown}, got {got}")
 
 
 def check_token_ids(v: Any, name: str = "eos_token_id") -> List[int]:
@@ -246,8 +266,8 @@ class Option:
         if self.kind == "choice":
             return check_choice(v, name, self.choices if choices is None else choices)
         if self.kind == "gamma":
-            if isinstance(v, str) and v == "auto":
-                return v
+            if _str_value(v) == "auto":  # numpy.str_ and other str subclasses too, as a choice
+                return "auto"
             if _integral(v) is None:
                 raise OptionTypeError(f"{name} must be 'auto' or {_int_range(self.low, self.high)}, got "
                                       f"{_describe(v)} of type {type(v).__name__}")
@@ -288,8 +308,8 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     _opt("selection_refresh_interval", 1, "int", 1, INT64_MAX, cli="--refresh-interval",
          doc="re-select the draft blocks every n iterations"),
     _opt("do_sample", False, "bool", cli="--do-sample", doc="speculative sampling instead of greedy"),
-    _opt("temperature", 1.0, "float", 0.0, math.inf, low_open=True, cli="--temperature",
-         doc="sampling temperature (range checked with do_sample)"),
+    _opt("temperature", 1.0, "float", MIN_TEMPERATURE, math.inf, cli="--temperature",
+         doc="sampling temperature, >= MIN_TEMPERATURE (range checked with do_sample)"),
     _opt("top_k", 0, "int", 0, INT64_MAX, cli="--top-k", doc="top-k filter, 0 = off"),
     _opt("top_p", 1.0, "float", 0.0, 1.0, low_open=True, cli="--top-p",
          doc="nucleus filter (range checked with do_sample)"),
@@ -329,8 +349,10 @@ def check_budget(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] 
     mx, mn = out.get("sparse_attn_max_tokens"), out.get("sparse_attn_min_tokens", 0)
     if mx is not None and mx < max(1, mn):
         name = _label("sparse_attn_max_tokens", labels)
+        # the bound's name without the caller's prefix ("vegas_ext.vllm: "), which starts the message
+        mn_name = _label("sparse_attn_min_tokens", labels).rsplit(": ", 1)[-1]
         raise ValueError(f"{name} must be {'' if name.startswith('--') else 'None or '}an integer >= "
-                         f"max(1, {_label('sparse_attn_min_tokens', labels)}) = {max(1, mn)}, got {mx}")
+                         f"max(1, {mn_name}) = {max(1, mn)}, got {mx}")
     return out
 
 
@@ -348,7 +370,8 @@ def check_selection(values: Mapping[str, Any], labels: Optional[Mapping[str, str
 
 
 def check_sampling(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
-    """``do_sample`` (bool), ``temperature`` (a finite number, > 0 when sampling), ``top_k``
+    """``do_sample`` (bool), ``temperature`` (a finite number, >= :data:`MIN_TEMPERATURE` when
+    sampling), ``top_k``
     (an int >= 0), ``top_p`` (a number, in ``(0, 1]`` when sampling), those present. Types are
     always checked; the ranges of ``temperature`` and ``top_p`` only when ``do_sample`` (greedy
     ignores them, as HF's ``generate`` does)."""
