@@ -11,8 +11,10 @@ PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
 OPTION_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens",
-               "num_sink_pages")
+               "num_sink_pages", "gamma_policy")
 ALGORITHMS = ("vegas", "streamingllm")
+#: ``gamma_policy`` values: every request drafts ``num_speculative_tokens`` / each its own number.
+GAMMA_POLICIES = ("fixed", "auto")
 #: ``hf_config.model_type`` values whose vLLM models the plugin drafts with (plain decoder-only
 #: attention through one KV cache group, no sliding window).
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -29,6 +31,9 @@ class VegasOptions:
         sparse_attn_min_tokens: the budget's lower bound in tokens (``>= 0``).
         sparse_attn_max_tokens: optional upper bound in tokens (``None``: none).
         num_sink_pages: leading pages always in the budget (attention sinks), ``>= 0``.
+        gamma_policy: ``"fixed"`` (every request drafts ``num_speculative_tokens``) or ``"auto"``
+            (each request drafts its own ``0..num_speculative_tokens`` per step, from its acceptance
+            and the measured step costs: :class:`vegas_ext.speculation.PerRequestGamma`).
 
     The budget in pages is ``ceil(clamp(ceil(ratio * context), min_tokens, max_tokens) / page_size)``,
     sinks included; the tail (the last verification window and this round's drafts) comes on top.
@@ -39,11 +44,14 @@ class VegasOptions:
     sparse_attn_min_tokens: int = 256
     sparse_attn_max_tokens: Any = None
     num_sink_pages: int = 1
+    gamma_policy: str = "auto"
 
     def __post_init__(self):
         a = self.sparse_attn_algorithm
         if a not in ALGORITHMS:
             raise ValueError(f"vegas_ext.vllm: sparse_attn_algorithm must be one of {ALGORITHMS}, got {a!r}")
+        if self.gamma_policy not in GAMMA_POLICIES:
+            raise ValueError(f"vegas_ext.vllm: gamma_policy must be one of {GAMMA_POLICIES}, got {self.gamma_policy!r}")
         r = self.sparse_attn_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not (0 < r <= 1):
             raise ValueError(f"vegas_ext.vllm: sparse_attn_ratio must be a number in (0, 1], got {r!r}")
