@@ -116,6 +116,7 @@ class VegasProposer:
             "tail_pages": 0,        # tail pages, same sum
             "max_over_budget": -(1 << 30),  # max over (request, step, layer) of read - (budget + tail)
             "sparse_layer_steps": 0,  # (request, step, layer) with fewer pages read than dense
+            "unscored_steps": 0,    # propose calls after a target forward that recorded no page scores
         }
         self._stats_dir = os.environ.get("VEGAS_VLLM_STATS_DIR") or None
         self._needs_scores = self.options.sparse_attn_algorithm == "vegas"
@@ -149,6 +150,7 @@ class VegasProposer:
         t_start = time.perf_counter()
         out: List[List[int]] = [[] for _ in range(len(sampled_token_ids))]
         scored = self.state.collect  # whether this step's target forward recorded page scores
+        self.stats["unscored_steps"] += not scored
         scores, self.state.scores = self.state.scores, {}
         req_ids = [str(r) for r in list(runner.input_batch.req_ids)[: len(out)]]
         if self.gamma_policy is not None:
@@ -238,14 +240,18 @@ class VegasProposer:
         qsl = (cm.query_start_loc_cpu if cm.query_start_loc_cpu is not None else cm.query_start_loc.cpu())
         q_lens = np.diff(qsl[: num_reqs + 1].numpy())
         ver_lens = cm.seq_lens[:num_reqs].cpu().numpy()
-        rows, P, tail0, ndraft, last = [], [], [], [], []
+        cand = []  # (batch index, position of the sampled token, most drafts)
         for i in range(num_reqs):
             if len(sampled_token_ids[i]) == 0:
                 continue
             p = int(ib.num_tokens_no_spec[i]) - 1
             cap = min(gamma, self.max_model_len - p, int(num_blocks[i]) * bs - p)
-            if cap > 0 and self.gamma_policy is not None:
-                cap = self.gamma_policy.choose(req_ids[i], cap)
+            if cap > 0:
+                cand.append((i, p, cap))
+        if self.gamma_policy is not None and cand:
+            cand = [(i, p, g) for (i, p, _), g in zip(cand, self._choose([(req_ids[i], c) for i, _, c in cand]))]
+        rows, P, tail0, ndraft, last = [], [], [], [], []
+        for i, p, cap in cand:
             if cap <= 0:
                 continue
             rows.append(i)
@@ -261,6 +267,19 @@ class VegasProposer:
                          tail0=torch.tensor(tail0, dtype=torch.long, device=dev),
                          ndraft=torch.tensor(ndraft, device=dev), ndraft_list=ndraft,
                          last=torch.tensor(last, dtype=torch.int32, device=dev), bt=bt_all[rows_t].long())
+
+    def _choose(self, reqs) -> List[int]:
+        """The ``auto`` policy's drafts for ``[(request id, cap)]``. Under tensor parallelism every
+        rank must run the same draft forwards, and each rank times its own steps: rank 0's choices
+        are broadcast to the others."""
+        gs = [self.gamma_policy.choose(rid, cap) for rid, cap in reqs]
+        from vllm.distributed import get_tp_group
+
+        tp = get_tp_group()
+        if tp.world_size > 1:
+            t = tp.broadcast(torch.tensor(gs, dtype=torch.int64), src=0)
+            gs = [min(int(g), cap) for g, (_, cap) in zip(t.tolist(), reqs)]
+        return gs
 
     def _select(self, req: _Drafting, scores, layer_names, bs: int):
         """Logical page ids ``[L, R, max_k]`` (ascending, -1 padded), the budget ``k`` ``[R]`` and
