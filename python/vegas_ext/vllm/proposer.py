@@ -190,20 +190,24 @@ class VegasProposer:
         pol, prev = self.gamma_policy, self._prev_drafts
         for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
             pol.forget(str(rid))
-        pure = self._prev_end is not None and set(req_ids) == set(prev) and cm is not None
-        if pure:
+        q_lens = None
+        if cm is not None:
             qsl = cm.query_start_loc_cpu if cm.query_start_loc_cpu is not None else cm.query_start_loc.cpu()
             q_lens = np.diff(qsl[: len(req_ids) + 1].numpy())
+        pure = self._prev_end is not None and set(req_ids) == set(prev) and q_lens is not None
         for i, rid in enumerate(req_ids):
             d, s = prev.get(rid, 0), len(sampled_token_ids[i])
+            if q_lens is not None:  # drafts the scheduler did not schedule were not verified
+                d = min(d, max(0, int(q_lens[i]) - 1))
             if s and d:
                 pol.observe_request(rid, d, s - 1)
-            if pure and (not s or int(q_lens[i]) != 1 + d):
+            if pure and (not s or int(q_lens[i]) != 1 + prev.get(rid, 0)):
                 pure = False
         if pure:
             t_draft, t_select = self._prev_costs
             pol.observe_step(IterationCosts(max(prev.values(), default=0), t_draft, t_start - self._prev_end,
                                             t_select, scored=scored))
+
     def _group(self, runner):
         groups = [g for gs in runner.attn_groups for g in gs]
         if len(groups) != 1:
