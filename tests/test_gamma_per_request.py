@@ -77,3 +77,23 @@ def test_vllm_gamma_policy_option_is_validated():
     for bad in ("Auto", "adaptive", None, 6):
         with pytest.raises(ValueError, match="gamma_policy must be one of"):
             VegasOptions(gamma_policy=bad)
+
+
+def test_batch_check_turns_one_requests_dear_drafts_into_a_plain_step():
+    """One request would draft 6 (all accepted) and three would not: alone it pays (7 tokens for
+    ~3 plain steps), but the batch of 4 would get 10 tokens in ~3 plain steps instead of 4 in one."""
+    p = PerRequestGamma(6, exploration=0.0, probe_interval=1000, max_probe_interval=1000,
+                        hopeless_probe_interval=1000)
+    _costs(p, t_plain=0.1, t_draft=0.03, c0=0.1, c1=0.002)
+    for rid, ok in (("hi", True), ("a", False), ("b", False), ("c", False)):
+        _run(p, rid, ok, steps=20)
+    reqs = [("hi", 6), ("a", 6), ("b", 6), ("c", 6)]
+    assert p.choose_batch(reqs[:1]) == [6]
+    assert 2.5 < p.costs.relative_cost(6) < 3.5
+    assert p.choose_batch(reqs) == [0, 0, 0, 0] and p.vetoed == 1
+    # four requests that all accept: the batch pays
+    q = PerRequestGamma(6, exploration=0.0)
+    _costs(q, t_plain=0.1, t_draft=0.03, c0=0.1, c1=0.002)
+    for rid in "wxyz":
+        _run(q, rid, True, steps=20)
+    assert q.choose_batch([(r, 6) for r in "wxyz"]) == [6, 6, 6, 6] and q.vetoed == 0

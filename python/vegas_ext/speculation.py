@@ -440,6 +440,7 @@ class PerRequestGamma:
         self.costs = StepCostModel(self._kw.get("window", 5), self._kw.get("cost_ema", 0.5))
         self.requests: Dict[str, AutoGamma] = {}
         self.choices = [0] * (max_gamma + 1)  # decisions per g, all requests
+        self.vetoed = 0  # steps whose drafts the batch check turned into a plain step
 
     def policy(self, req_id: str) -> AutoGamma:
         """The request's :class:`AutoGamma` (created on first use, sharing :attr:`costs`)."""
@@ -461,6 +462,29 @@ class PerRequestGamma:
         self.choices[g] += 1
         return g
 
+    def choose_batch(self, reqs: List[Tuple[str, int]]) -> List[int]:
+        """Drafts for one engine step of the requests ``[(req_id, cap)]``: each request's own
+        :meth:`choose`, then the batch's check -- a step's draft forwards and its verification are
+        paid by every request of the batch, so the drafts go ahead only when the batch's expected
+        tokens per unit time (``sum_i E_i(g_i) / cost(max g)``) beat a plain step's (``len(reqs)``)
+        by the margin, or while a request probes or the costs are not measured yet; else all ``0``."""
+        import torch
+
+        probes = {rid: self.policy(rid).num_probes for rid, _ in reqs}
+        gs = [self.choose(rid, cap) for rid, cap in reqs]
+        top = max(gs, default=0)
+        if top == 0 or self.costs.t_plain is None or any(self.requests[r].num_probes > n for r, n in probes.items()):
+            return gs
+        tokens = sum(self.requests[rid].expected_tokens(g, torch.tensor([g])) for (rid, _), g in zip(reqs, gs))
+        margin = float(self._kw.get("margin", 0.03))
+        if tokens / max(self.costs.relative_cost(top), 1e-12) > len(reqs) * (1.0 + margin):
+            return gs
+        for g in gs:  # the batch decodes plainly: count the decisions as taken
+            self.choices[g] -= 1
+            self.choices[0] += 1
+        self.vetoed += 1
+        return [0] * len(gs)
+
     def observe_request(self, req_id: str, drafted: int, accepted: int) -> None:
         """The request's last drafts were verified: ``accepted`` of its ``drafted`` (``>= 1``)."""
         if drafted > 0 and req_id in self.requests:
@@ -478,7 +502,7 @@ class PerRequestGamma:
         """``gamma_histogram`` (decisions per ``g`` over all requests), the cost model's ``cost_t_*_ms``
         and ``tracked_requests``."""
         return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.costs.stats(),
-                "tracked_requests": len(self.requests)}
+                "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
 
 
 def _median(xs: List[float], empty=None):

@@ -276,7 +276,7 @@ class VegasProposer:
         """The ``auto`` policy's drafts for ``[(request id, cap)]``. Under tensor parallelism every
         rank must run the same draft forwards, and each rank times its own steps: rank 0's choices
         are broadcast to the others."""
-        gs = [self.gamma_policy.choose(rid, cap) for rid, cap in reqs]
+        gs = self.gamma_policy.choose_batch(reqs)
         from vllm.distributed import get_tp_group
 
         tp = get_tp_group()
@@ -401,6 +401,7 @@ class VegasProposer:
         os.makedirs(self._stats_dir, exist_ok=True)
         if self.gamma_policy is not None:
             self.stats["gamma_histogram"] = list(self.gamma_policy.choices)
+            self.stats["vetoed_steps"] = self.gamma_policy.vetoed
         path = os.path.join(self._stats_dir, f"stats-rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(self.stats, f)
