@@ -29,7 +29,8 @@ from bench.common import commit_label
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-METHODS = ("none", "ngram", "vegas", "streamingllm")
+# "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto")
+METHODS = ("none", "ngram", "vegas", "streamingllm", "vegas_auto")
 
 
 def spec_for(method, gamma, ratio, min_tokens):
@@ -39,8 +40,10 @@ def spec_for(method, gamma, ratio, min_tokens):
         return {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     from vegas_ext.vllm import speculative_config
 
-    return speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=method, sparse_attn_ratio=ratio,
-                              sparse_attn_min_tokens=min_tokens)
+    auto = method == "vegas_auto"
+    spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm="vegas" if auto else method,
+                              sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens)
+    return dict(spec, gamma_policy="auto" if auto else "fixed")
 
 
 def _counters(llm):
@@ -121,7 +124,8 @@ def summarize(rows, cfg):
         lines.append(f"| {ctx} | {B} | " + " | ".join(tps) + " | " + " | ".join(mals) + f" | {same} |")
     head = (f"vLLM {cfg['vllm']} ({cfg['device']}, {cfg['threads']}), SmolLM2-135M-Instruct {cfg['dtype']}, "
             f"block {cfg['block_size']}, "
-            f"eager; greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']}; "
+            f"eager; greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']} "
+            "(vegas_auto: at most γ, per request); "
             f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens; ngram lookup 2-4. "
             f"Commit {cfg['commit']}. Output tokens/s (ratio to no speculation), MAL = mean acceptance length "
             "(1 + accepted / drafts).\n\n")

@@ -21,7 +21,8 @@ def test_speculative_config_contents():
     c = speculative_config(num_speculative_tokens=4, sparse_attn_algorithm="streamingllm", sparse_attn_ratio=0.1,
                            sparse_attn_min_tokens=64)
     assert c == {"model": PROPOSER_PATH, "num_speculative_tokens": 4, "sparse_attn_algorithm": "streamingllm",
-                 "sparse_attn_ratio": 0.1, "sparse_attn_min_tokens": 64, "num_sink_pages": 1}
+                 "sparse_attn_ratio": 0.1, "sparse_attn_min_tokens": 64, "num_sink_pages": 1,
+                 "gamma_policy": "auto"}
     assert json.loads(json.dumps(c)) == c
     kw = engine_kwargs(num_speculative_tokens=4)
     assert kw["speculative_config"] == {"model": PROPOSER_PATH, "num_speculative_tokens": 4}

@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["GammaPolicy", "FixedGamma", "AutoGamma", "AcceptanceEstimate", "StepCostModel", "IterationCosts"]
+__all__ = ["GammaPolicy", "FixedGamma", "AutoGamma", "AcceptanceEstimate", "StepCostModel", "IterationCosts",
+           "PerRequestGamma"]
 
 
 @dataclass
@@ -413,6 +414,95 @@ class AutoGamma(GammaPolicy):
             **self.costs.stats(),
             "num_probes": self.num_probes,
         }
+
+
+class PerRequestGamma:
+    """``auto`` per request for a batched engine: each request its own ``g`` in ``0..cap``.
+
+    One :class:`AutoGamma` per request id -- its own :class:`AcceptanceEstimate`, warm-up, probes
+    and history -- all sharing one :class:`StepCostModel` that the engine feeds with its step
+    timings (:meth:`observe_step`). A request's choice is AutoGamma's decision for a batch of that
+    request alone under the shared costs: a request whose drafts are rejected goes plain (``g =
+    0``) while one whose drafts are accepted keeps drafting. Runner-independent (the vLLM plugin
+    drives it from ``vegas_ext.vllm.proposer``).
+
+    Args:
+        max_gamma: the most drafts any request gets (``>= 1``).
+        **auto_kwargs: :class:`AutoGamma` options (``prior_acceptance``, ``margin``, ...); ``window``
+            and ``cost_ema`` go to the shared cost model.
+    """
+
+    def __init__(self, max_gamma: int, **auto_kwargs):
+        if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
+            raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
+        self.max_gamma = max_gamma
+        self._kw = dict(auto_kwargs)
+        self.costs = StepCostModel(self._kw.get("window", 5), self._kw.get("cost_ema", 0.5))
+        self.requests: Dict[str, AutoGamma] = {}
+        self.choices = [0] * (max_gamma + 1)  # decisions per g, all requests
+        self.vetoed = 0  # steps whose drafts the batch check turned into a plain step
+
+    def policy(self, req_id: str) -> AutoGamma:
+        """The request's :class:`AutoGamma` (created on first use, sharing :attr:`costs`)."""
+        p = self.requests.get(req_id)
+        if p is None:
+            p = self.requests[req_id] = AutoGamma(self.max_gamma, **self._kw)
+            p.costs = self.costs
+            if self.costs.t_plain is not None:  # costs known: skip the warm-up that measures them
+                p.history.extend([0, 0])
+        return p
+
+    def choose(self, req_id: str, cap: int) -> int:
+        """Drafts for ``req_id``'s next step, in ``[0, min(max_gamma, cap)]`` (``cap``: the most it
+        may draft, e.g. its reserved slots)."""
+        import torch
+
+        cap = max(0, min(self.max_gamma, int(cap)))
+        g = self.policy(req_id).choose(torch.tensor([cap]), cap)
+        self.choices[g] += 1
+        return g
+
+    def choose_batch(self, reqs: List[Tuple[str, int]]) -> List[int]:
+        """Drafts for one engine step of the requests ``[(req_id, cap)]``: each request's own
+        :meth:`choose`, then the batch's check -- a step's draft forwards and its verification are
+        paid by every request of the batch, so the drafts go ahead only when the batch's expected
+        tokens per unit time (``sum_i E_i(g_i) / cost(max g)``) beat a plain step's (``len(reqs)``)
+        by the margin, or while a request probes or the costs are not measured yet; else all ``0``."""
+        import torch
+
+        probes = {rid: self.policy(rid).num_probes for rid, _ in reqs}
+        gs = [self.choose(rid, cap) for rid, cap in reqs]
+        top = max(gs, default=0)
+        if top == 0 or self.costs.t_plain is None or any(self.requests[r].num_probes > n for r, n in probes.items()):
+            return gs
+        tokens = sum(self.requests[rid].expected_tokens(g, torch.tensor([g])) for (rid, _), g in zip(reqs, gs))
+        margin = float(self._kw.get("margin", 0.03))
+        if tokens / max(self.costs.relative_cost(top), 1e-12) > len(reqs) * (1.0 + margin):
+            return gs
+        for g in gs:  # the batch decodes plainly: count the decisions as taken
+            self.choices[g] -= 1
+            self.choices[0] += 1
+        self.vetoed += 1
+        return [0] * len(gs)
+
+    def observe_request(self, req_id: str, drafted: int, accepted: int) -> None:
+        """The request's last drafts were verified: ``accepted`` of its ``drafted`` (``>= 1``)."""
+        if drafted > 0 and req_id in self.requests:
+            self.requests[req_id].acc.observe([int(drafted)], [min(int(accepted), int(drafted))])
+
+    def observe_step(self, costs: IterationCosts) -> None:
+        """One engine step's timings (``costs.gamma``: the most drafts any request verified)."""
+        self.costs.observe(costs)
+
+    def forget(self, req_id: str) -> None:
+        """Drop a finished request's estimates."""
+        self.requests.pop(req_id, None)
+
+    def stats(self) -> dict:
+        """``gamma_histogram`` (decisions per ``g`` over all requests), the cost model's ``cost_t_*_ms``
+        and ``tracked_requests``."""
+        return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.costs.stats(),
+                "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
 
 
 def _median(xs: List[float], empty=None):

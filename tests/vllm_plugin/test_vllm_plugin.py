@@ -54,8 +54,9 @@ def greedy_runs(smollm_dir, tokenizer, tmp_path_factory):
     for algo in ("vegas", "streamingllm"):
         stats = str(tmp_path_factory.mktemp(f"stats-{algo}"))
         c = json.loads(json.dumps(cfg))
-        c["llm"]["speculative_config"] = speculative_config(num_speculative_tokens=GAMMA, sparse_attn_algorithm=algo,
-                                                            sparse_attn_ratio=0.05, sparse_attn_min_tokens=256)
+        c["llm"]["speculative_config"] = dict(  # fixed γ: the tests below count γ drafts per step
+            speculative_config(num_speculative_tokens=GAMMA, sparse_attn_algorithm=algo, sparse_attn_ratio=0.05,
+                               sparse_attn_min_tokens=256), gamma_policy="fixed")
         r = run_llm(c, env={"VEGAS_VLLM_STATS_DIR": stats})
         assert "error" not in r, r.get("traceback")
         with open(os.path.join(stats, "stats-rank0.json")) as f:

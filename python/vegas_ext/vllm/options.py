@@ -12,8 +12,10 @@ PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
 OPTION_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens",
-               "num_sink_pages")
+               "num_sink_pages", "gamma_policy")
 ALGORITHMS = config.VLLM_ALGORITHMS
+#: ``gamma_policy`` values: every request drafts ``num_speculative_tokens`` / each its own number.
+GAMMA_POLICIES = ("fixed", "auto")
 #: ``hf_config.model_type`` values whose vLLM models the plugin drafts with (plain decoder-only
 #: attention through one KV cache group, no sliding window).
 SUPPORTED_MODEL_TYPES = config.SUPPORTED_MODEL_TYPES
@@ -39,6 +41,9 @@ class VegasOptions:
         sparse_attn_min_tokens: the budget's lower bound in tokens (``>= 0``).
         sparse_attn_max_tokens: optional upper bound in tokens (``None``: none).
         num_sink_pages: leading pages always in the budget (attention sinks), ``>= 0``.
+        gamma_policy: ``"fixed"`` (every request drafts ``num_speculative_tokens``) or ``"auto"``
+            (each request drafts its own ``0..num_speculative_tokens`` per step, from its acceptance
+            and the measured step costs: :class:`vegas_ext.speculation.PerRequestGamma`).
 
     The budget in pages is ``ceil(clamp(ceil(ratio * context), min_tokens, max_tokens) / page_size)``,
     sinks included; the tail (the last verification window and this round's drafts) comes on top.
@@ -49,14 +54,19 @@ class VegasOptions:
     sparse_attn_min_tokens: int = 256
     sparse_attn_max_tokens: Any = None
     num_sink_pages: int = 1
+    gamma_policy: str = "auto"
 
     def __post_init__(self):
-        values = {k: getattr(self, k) for k in OPTION_KEYS}
+        values = {k: getattr(self, k) for k in OPTION_KEYS if k != "gamma_policy"}
         values["num_sink_blocks"] = values.pop("num_sink_pages")
         out = config.check_selection({"sparse_attn_algorithm": values.pop("sparse_attn_algorithm")}, _LABELS,
                                      algorithms=ALGORITHMS)
         out.update(config.check_budget(values, _LABELS))
         out["num_sink_pages"] = out.pop("num_sink_blocks")
+        gp = self.gamma_policy
+        if not isinstance(gp, str) or gp not in GAMMA_POLICIES:
+            raise ValueError(f"{_PREFIX}gamma_policy must be one of {GAMMA_POLICIES}, got {gp!r}")
+        out["gamma_policy"] = str(gp)
         for k, v in out.items():  # normalized (a numpy integer becomes an int); frozen, hence setattr
             object.__setattr__(self, k, v)
 

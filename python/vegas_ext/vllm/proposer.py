@@ -24,7 +24,14 @@ not yet written) and the verification window ``[tail_start, seq_len)`` (the last
    every tensor-parallel rank: vLLM all-gathers logits on CPU).
 
 A request drafts fewer tokens when its reserved slots or ``max_model_len`` end earlier, and none
-when it sampled nothing this step (a partial prefill chunk). Verification rewrites the drafts' K/V
+when it sampled nothing this step (a partial prefill chunk). With ``gamma_policy="auto"`` each
+request drafts its own number ``0..γ`` (γ = ``num_speculative_tokens``, the lookahead the scheduler
+reserves), chosen every step by :class:`vegas_ext.speculation.PerRequestGamma` from that request's
+acceptance (``sampled_token_ids`` holds 1 + the accepted drafts of its last step) and the step costs
+timed here, in plain steps: the rest of the engine step between two calls (target forward, sampling,
+scheduling: ``verify``), the draft forwards and the selection. When no request drafts, the next
+target forward records no page scores; a request that drafts right after such a step drafts over
+StreamingLLM pages (lossless either way). Verification rewrites the drafts' K/V
 with exact values, and vLLM's rejection sampler accepts; the proposer returns token ids only.
 
 Debug counters (:attr:`VegasProposer.stats`) count draft forwards, pages read and the budget;
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -43,6 +51,7 @@ import torch
 
 from .. import ops
 from ..selection import streaming_indices
+from ..speculation import IterationCosts, PerRequestGamma
 from .backend import PLAIN_KEY_ISAS, VegasState, attach_state
 from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
 
@@ -107,11 +116,19 @@ class VegasProposer:
             "tail_pages": 0,        # tail pages, same sum
             "max_over_budget": -(1 << 30),  # max over (request, step, layer) of read - (budget + tail)
             "sparse_layer_steps": 0,  # (request, step, layer) with fewer pages read than dense
+            "unscored_steps": 0,    # propose calls after a target forward that recorded no page scores
         }
         self._stats_dir = os.environ.get("VEGAS_VLLM_STATS_DIR") or None
-        self.state = VegasState(collect=self.options.sparse_attn_algorithm == "vegas",
-                                num_queries=self.num_speculative_tokens + 1)
+        self._needs_scores = self.options.sparse_attn_algorithm == "vegas"
+        self.state = VegasState(collect=self._needs_scores, num_queries=self.num_speculative_tokens + 1)
         self._attached = False
+        #: γ per request (``gamma_policy="auto"``), else ``None``: every request drafts γ
+        self.gamma_policy = (PerRequestGamma(self.num_speculative_tokens) if self.options.gamma_policy == "auto"
+                             else None)
+        # the previous step: request id -> drafts proposed, when it ended, and its draft/selection seconds
+        self._prev_drafts: Dict[str, int] = {}
+        self._prev_end = None
+        self._prev_costs = (0.0, 0.0)
 
     def load_model(self, target_model) -> None:
         """Called by the runner with the target model: the drafter is the model itself."""
@@ -127,27 +144,69 @@ class VegasProposer:
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_with_runner(self, runner, scheduler_output, sampled_token_ids: List[List[int]], cm) -> List[List[int]]:
-        """Draft for the runner's current batch; returns one list of draft token ids per request:
-        requests to draft -> page selection -> compacted tables -> γ draft forwards."""
+        """Draft for the runner's current batch; returns one list of draft token ids per request
+        (lengths may differ, empty included): requests to draft -> page selection -> compacted
+        tables -> draft forwards."""
+        t_start = time.perf_counter()
         out: List[List[int]] = [[] for _ in range(len(sampled_token_ids))]
+        scored = self.state.collect  # whether this step's target forward recorded page scores
+        self.stats["unscored_steps"] += not scored
         scores, self.state.scores = self.state.scores, {}
-        if not out or cm is None:
-            return out
-        group = self._group(runner)
-        layer_names = list(group.layer_names)
-        self._check_layers(runner, layer_names)
-        bs = int(group.kv_cache_spec.block_size)
-        req = self._requests(runner, group, cm, sampled_token_ids, bs)
-        if req is None:
-            return out
-        tables = self._tables(req, self._select(req, scores, layer_names, bs), bs)
-        drafts = self._draft(runner, group.get_metadata_builder(0), layer_names, req, tables, bs)
-        self.stats["steps"] += 1
-        for r, i in enumerate(req.rows):
-            out[i] = drafts[r, : req.ndraft_list[r]].tolist()
+        req_ids = [str(r) for r in list(runner.input_batch.req_ids)[: len(out)]]
+        if self.gamma_policy is not None:
+            self._observe(scheduler_output, sampled_token_ids, cm, req_ids, t_start, scored)
+        t_select = t_draft = 0.0
+        req = None
+        if out and cm is not None:
+            group = self._group(runner)
+            layer_names = list(group.layer_names)
+            self._check_layers(runner, layer_names)
+            bs = int(group.kv_cache_spec.block_size)
+            req = self._requests(runner, group, cm, sampled_token_ids, bs, req_ids)
+        if req is not None:
+            t0 = time.perf_counter()
+            tables = self._tables(req, self._select(req, scores, layer_names, bs), bs)
+            t1 = time.perf_counter()
+            drafts = self._draft(runner, group.get_metadata_builder(0), layer_names, req, tables, bs)
+            t_select, t_draft = t1 - t0, time.perf_counter() - t1
+            self.stats["steps"] += 1
+            for r, i in enumerate(req.rows):
+                out[i] = drafts[r, : req.ndraft_list[r]].tolist()
+        if self.gamma_policy is not None:
+            # no request drafted: the next target forward skips the page scores (a plain step)
+            self.state.collect = self._needs_scores and req is not None
+            self._prev_drafts = {rid: len(d) for rid, d in zip(req_ids, out)}
+            self._prev_costs = (t_draft, t_select)
         if self._stats_dir:
             self._dump_stats()
+        if self.gamma_policy is not None:
+            self._prev_end = time.perf_counter()
         return out
+
+    def _observe(self, scheduler_output, sampled_token_ids, cm, req_ids, t_start: float, scored: bool) -> None:
+        """Feed the γ policy: each request's acceptance of its last drafts, finished requests, and
+        the last step's costs when this step was a pure verification of them (same requests, every
+        query a verified token: no prefill chunk in the timed forward)."""
+        pol, prev = self.gamma_policy, self._prev_drafts
+        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+            pol.forget(str(rid))
+        q_lens = None
+        if cm is not None:
+            qsl = cm.query_start_loc_cpu if cm.query_start_loc_cpu is not None else cm.query_start_loc.cpu()
+            q_lens = np.diff(qsl[: len(req_ids) + 1].numpy())
+        pure = self._prev_end is not None and set(req_ids) == set(prev) and q_lens is not None
+        for i, rid in enumerate(req_ids):
+            d, s = prev.get(rid, 0), len(sampled_token_ids[i])
+            if q_lens is not None:  # drafts the scheduler did not schedule were not verified
+                d = min(d, max(0, int(q_lens[i]) - 1))
+            if s and d:
+                pol.observe_request(rid, d, s - 1)
+            if pure and (not s or int(q_lens[i]) != 1 + prev.get(rid, 0)):
+                pure = False
+        if pure:
+            t_draft, t_select = self._prev_costs
+            pol.observe_step(IterationCosts(max(prev.values(), default=0), t_draft, t_start - self._prev_end,
+                                            t_select, scored=scored))
 
     def _group(self, runner):
         groups = [g for gs in runner.attn_groups for g in gs]
@@ -174,8 +233,9 @@ class VegasProposer:
                     "sparse_attn_algorithm='streamingllm'")
         self._layers_checked = True
 
-    def _requests(self, runner, group, cm, sampled_token_ids, bs: int):
-        """The requests that draft this step (sampled a token, have reserved slots), or ``None``."""
+    def _requests(self, runner, group, cm, sampled_token_ids, bs: int, req_ids: List[str]):
+        """The requests that draft this step (sampled a token, have reserved slots and, with the
+        ``auto`` policy, chose to draft), or ``None``."""
         gamma = self.num_speculative_tokens
         num_reqs = len(sampled_token_ids)
         ib = runner.input_batch
@@ -184,12 +244,18 @@ class VegasProposer:
         qsl = (cm.query_start_loc_cpu if cm.query_start_loc_cpu is not None else cm.query_start_loc.cpu())
         q_lens = np.diff(qsl[: num_reqs + 1].numpy())
         ver_lens = cm.seq_lens[:num_reqs].cpu().numpy()
-        rows, P, tail0, ndraft, last = [], [], [], [], []
+        cand = []  # (batch index, position of the sampled token, most drafts)
         for i in range(num_reqs):
             if len(sampled_token_ids[i]) == 0:
                 continue
             p = int(ib.num_tokens_no_spec[i]) - 1
             cap = min(gamma, self.max_model_len - p, int(num_blocks[i]) * bs - p)
+            if cap > 0:
+                cand.append((i, p, cap))
+        if self.gamma_policy is not None and cand:
+            cand = [(i, p, g) for (i, p, _), g in zip(cand, self._choose([(req_ids[i], c) for i, _, c in cand]))]
+        rows, P, tail0, ndraft, last = [], [], [], [], []
+        for i, p, cap in cand:
             if cap <= 0:
                 continue
             rows.append(i)
@@ -205,6 +271,19 @@ class VegasProposer:
                          tail0=torch.tensor(tail0, dtype=torch.long, device=dev),
                          ndraft=torch.tensor(ndraft, device=dev), ndraft_list=ndraft,
                          last=torch.tensor(last, dtype=torch.int32, device=dev), bt=bt_all[rows_t].long())
+
+    def _choose(self, reqs) -> List[int]:
+        """The ``auto`` policy's drafts for ``[(request id, cap)]``. Under tensor parallelism every
+        rank must run the same draft forwards, and each rank times its own steps: rank 0's choices
+        are broadcast to the others."""
+        gs = self.gamma_policy.choose_batch(reqs)
+        from vllm.distributed import get_tp_group
+
+        tp = get_tp_group()
+        if tp.world_size > 1:
+            t = tp.broadcast(torch.tensor(gs, dtype=torch.int64), src=0)
+            gs = [min(int(g), cap) for g, (_, cap) in zip(t.tolist(), reqs)]
+        return gs
 
     def _select(self, req: _Drafting, scores, layer_names, bs: int):
         """Logical page ids ``[L, R, max_k]`` (ascending, -1 padded), the budget ``k`` ``[R]`` and
@@ -320,6 +399,9 @@ class VegasProposer:
         except Exception:  # pragma: no cover
             rank = 0
         os.makedirs(self._stats_dir, exist_ok=True)
+        if self.gamma_policy is not None:
+            self.stats["gamma_histogram"] = list(self.gamma_policy.choices)
+            self.stats["vetoed_steps"] = self.gamma_policy.vetoed
         path = os.path.join(self._stats_dir, f"stats-rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(self.stats, f)
