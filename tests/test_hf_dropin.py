@@ -94,7 +94,7 @@ def test_unsupported_model_is_refused():
                                    eos_token_id=0))
     with pytest.raises(ValueError, match="unsupported model"):
         patch_model(m)
-    with pytest.raises(ValueError, match="unsupported model"):
+    with pytest.raises(ValueError, match=r"model must be a Hugging Face causal LM .* got GPT2LMHeadModel"):
         vegas_ext.generate(m, torch.tensor([[1, 2, 3]]), max_new_tokens=2)
 
 
