@@ -305,7 +305,9 @@ def _tensor_key(t: Tensor) -> tuple:
 
 def _plain(v, where: str, depth: int = 0):
     """A hashable snapshot of ``v`` if it is plain data (scalars, dtypes, tensors by storage and
-    version, and tuples / lists / sets / dicts of them); raises :class:`_NotFingerprintable`."""
+    version, and tuples / lists / sets / dicts of them; other objects inside such a container by
+    type and identity, e.g. transformers 5.25's ``_kernel_funcs`` slots of hub kernels); raises
+    :class:`_NotFingerprintable` for a module attribute that is itself a function or object."""
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, Tensor):
@@ -317,6 +319,8 @@ def _plain(v, where: str, depth: int = 0):
             return ("set",) + tuple(sorted((_plain(x, where, depth + 1) for x in v), key=repr))
         if isinstance(v, dict):
             return ("dict",) + tuple(sorted(((repr(k), _plain(x, where, depth + 1)) for k, x in v.items()), key=repr))
+    if depth > 0:  # replaced -> another identity; what it does inside is the caller's contract
+        return ("object", type(v).__module__, type(v).__qualname__, id(v))
     raise _NotFingerprintable(f"{where} is a {type(v).__name__}")
 
 
