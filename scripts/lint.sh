@@ -23,16 +23,18 @@ for a in "$@"; do
   esac
 done
 
-# tool NAME PIP_SPEC -> the command to run (PATH first, else a pip install --target $LINT_HOME)
+# tool NAME PIP_SPEC -> the command to run (PATH first, else a pip install --target of its own:
+# pip does not merge a second package's bin/ into an existing target)
 tool() {
   if command -v "$1" >/dev/null 2>&1; then
     command -v "$1"
     return
   fi
-  if [ ! -x "$LINT_HOME/bin/$1" ]; then
-    "$PY" -m pip install -q --disable-pip-version-check --target "$LINT_HOME" "$2" >&2
+  local dir="$LINT_HOME/$1-${2##*==}"
+  if [ ! -x "$dir/bin/$1" ]; then
+    "$PY" -m pip install -q --disable-pip-version-check --target "$dir" "$2" >&2
   fi
-  echo "env PYTHONPATH=$LINT_HOME $LINT_HOME/bin/$1"
+  echo "env PYTHONPATH=$dir $dir/bin/$1"
 }
 
 rc=0
