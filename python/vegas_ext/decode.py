@@ -1008,9 +1008,10 @@ def generate(
     sparse_attn_algorithm, query_weights = opts["sparse_attn_algorithm"], opts["query_weights"]
     _check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
-    if logits_processor is None and generation_config_processors(model):
+    unapplied = generation_config_processors(model) if logits_processor is None else {}
+    if unapplied:
         warnings.warn(
-            f"vegas generate: model.generation_config sets {generation_config_processors(model)}, which plain "
+            f"vegas generate: model.generation_config sets {unapplied}, which plain "
             "model.generate applies as logits processors; vegas_ext.generate decodes without them (plain greedy "
             "/ sampling). Use model.generate(..., custom_generate=vegas_ext.hf.generate) to apply them.",
             stacklevel=2)
