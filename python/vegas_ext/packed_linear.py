@@ -175,7 +175,9 @@ class PackedLinear(nn.Module):
         if w is None:
             w = self.weight
         p = self._pack
-        if _fresh(p, w):
+        # checked after _fresh: a repack in another thread drops the old entry before it marks the
+        # storage copy-on-write again, which would make the old entry look fresh
+        if _fresh(p, w) and self._pack is p:
             return p[3]
         if not _packable_weight(w):
             self._pack = None  # e.g. after weight.data = a bf16 tensor: F.linear
