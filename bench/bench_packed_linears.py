@@ -16,15 +16,13 @@ an M-row product against row i of the largest).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import command_line, run_metadata, write_rows
+from bench.common import command_line, run_metadata, time_fns, write_rows
 from vegas_ext import models
 from vegas_ext.packed_linear import can_pack
 
@@ -58,19 +56,6 @@ def step_fn(W, P, M, way):
         return lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                         for w, p in zip(W, P)]
     return lambda: [F.linear(xs[w.shape[1]], w) for w in W]
-
-
-def time_rounds(fns, rounds):
-    """Median seconds of each fn over ``rounds`` interleaved rounds, after one untimed call of each."""
-    t = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            t[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in t.items()}
 
 
 def same_bits_across_rows(W, P, rows):
@@ -126,7 +111,7 @@ def main(argv=None):
         for way in ("F.linear", "packed") + (("mkl",) if a.mkl else ()):
             fns[(way, M)] = step_fn(W, P, M, way)
     with torch.inference_mode():
-        med = time_rounds(fns, a.rounds)
+        med = time_fns(fns, repeats=a.rounds, warmup=1)
         invariant = same_bits_across_rows(W, P, a.rows)
     read_gbs = nbytes / med[("read", 0)] / 1e9
     meta = run_metadata("cpu")
