@@ -149,3 +149,21 @@ def test_cuda_maps_to_fp16_and_stays_lossless(kind):
     n_b = sum(m.bias.numel() for m in _linears(model) if m.bias is not None)
     assert out.stats["draft_weights_format"] == "fp16" and out.stats["draft_weights_bytes"] == 2 * (n_w + n_b)
     assert out.stats["num_accepted_tokens"] > 0
+
+
+def test_draft_weights_leave_packed_linears_packed():
+    """Regression: the draft copies' freshness check read ``data_ptr()``, which materializes the
+    copy-on-write storage of a packed weight, so every packed linear repacked every iteration."""
+    from vegas_ext.packed_linear import PackedLinear, can_pack, pack_linear_weights
+
+    m = make_model("llama")
+    if not can_pack(m.lm_head):
+        pytest.skip("this PyTorch cannot pack linears (no oneDNN)")
+    pack_linear_weights(m, min_rows=1)
+    ids, mask = make_prompts(m.config.vocab_size, [60, 45])
+    kw = dict(max_new_tokens=16, num_speculative_tokens=3, draft_weights="int8", eos_token_id=[], pad_token_id=0)
+    vegas_ext.generate(m, ids, mask, **kw)
+    packed = [mod for mod in m.modules() if isinstance(mod, PackedLinear)]
+    before = sum(mod.repacks for mod in packed)
+    out = vegas_ext.generate(m, ids, mask, **kw)
+    assert sum(mod.repacks for mod in packed) == before and out.stats["num_iterations"] > 1

@@ -37,6 +37,7 @@ from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
 from .draft_weights import check_draft_weights, draft_weights_for
 from .hf import AttentionState, check_model_supported, patched, rope_types
+from .packed_linear import tensor_key
 from .selection import (
     SELECTION_ALGORITHMS,
     FullAttention,
@@ -291,18 +292,6 @@ _MODULE_INTERNALS = frozenset((
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _tensor_key(t: Tensor) -> tuple:
-    """A tensor's identity for :func:`_model_fingerprint`: storage (offset, strides, neg/conj views),
-    in-place version, dtype, device, shape. Not ``data_ptr()``: it materializes a copy-on-write storage, which makes
-    packed linears repack (see :mod:`vegas_ext.packed_linear`)."""
-    try:
-        st = t.untyped_storage()
-        return ("tensor", st._cdata, t.storage_offset(), t.stride(), t.is_neg(), t.is_conj(), t._version, t.dtype,
-                t.device, tuple(t.shape))
-    except (RuntimeError, NotImplementedError):  # no storage (an opaque oneDNN tensor): the object itself
-        return ("opaque tensor", id(t), t.layout, t.dtype, t.device, tuple(t.shape))
-
-
 def _plain(v, where: str, depth: int = 0):
     """A hashable snapshot of ``v`` if it is plain data (scalars, dtypes, tensors by storage and
     version, and tuples / lists / sets / dicts of them; other objects inside such a container by
@@ -311,7 +300,7 @@ def _plain(v, where: str, depth: int = 0):
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, Tensor):
-        return _tensor_key(v)
+        return tensor_key(v)
     if depth < 4:
         if isinstance(v, (tuple, list)):
             return (type(v).__name__,) + tuple(_plain(x, where, depth + 1) for x in v)
@@ -356,7 +345,7 @@ def _model_fingerprint(model) -> dict:
             raise _NotFingerprintable(f"a forward hook on {where}")
         for t in itertools.chain(mod._parameters.values(), mod._buffers.values()):
             if t is not None:
-                weights.append(_tensor_key(t))
+                weights.append(tensor_key(t))
         attrs = []
         caches = getattr(type(mod), "function_independent_attrs", ())  # e.g. PackedLinear's pack
         for k, v in vars(mod).items():

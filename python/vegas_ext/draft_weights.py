@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops as _ops  # noqa: F401  (loads the compiled torch.ops.vegas.weight_only_linear)
+from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "DraftWeights", "check_draft_weights", "draft_weights_for",
            "quantize_int8"]
@@ -97,7 +98,8 @@ def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Te
 
 
 def _version_key(t: Optional[Tensor]) -> tuple:
-    return () if t is None else (t._version, t.data_ptr())
+    # not data_ptr(): it materializes a copy-on-write storage, which made every packed linear repack
+    return () if t is None else tensor_key(t)
 
 
 class _Copy:
@@ -128,8 +130,7 @@ class _Copy:
     def fresh(self, mod: nn.Module) -> bool:
         """Whether ``mod``'s weight and bias are still the tensors this copy was made from, unedited."""
         w, b = self.src
-        return (mod.weight is w and mod.bias is b and w._version == self.key[0][0] and w.data_ptr() == self.key[0][1]
-                and (b is None or (b._version, b.data_ptr()) == self.key[1]))
+        return mod.weight is w and mod.bias is b and (_version_key(w), _version_key(b)) == self.key
 
 
 class DraftWeights:

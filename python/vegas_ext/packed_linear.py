@@ -70,6 +70,19 @@ def _packable_weight(w) -> bool:
             and w.dim() == 2)
 
 
+def tensor_key(t: Tensor) -> tuple:
+    """A tensor's identity, cheap and without reading its data (the prefill fingerprint and the
+    draft weights' freshness check use it): storage (offset, strides, neg/conj views),
+    in-place version, dtype, device, shape. Not ``data_ptr()``: it materializes a copy-on-write
+    storage, which makes packed linears repack."""
+    try:
+        st = t.untyped_storage()
+        return ("tensor", st._cdata, t.storage_offset(), t.stride(), t.is_neg(), t.is_conj(), t._version, t.dtype,
+                t.device, tuple(t.shape))
+    except (RuntimeError, NotImplementedError):  # no storage (an opaque oneDNN tensor): the object itself
+        return ("opaque tensor", id(t), t.layout, t.dtype, t.device, tuple(t.shape))
+
+
 def _geometry(w) -> tuple:
     """How ``w`` views its storage: a ``weight.data = weight.data.t()``, ``t_()`` or ``as_strided_``
     keeps the tensor and the storage but changes what the weight is."""
