@@ -53,4 +53,10 @@ TORCH_LIBRARY(vegas, m) {
   m.def(
       "weight_only_linear(Tensor x, Tensor weight, Tensor? scales=None, Tensor? bias=None, "
       "int group_size=64) -> Tensor");
+  // RoPE ("rotate_half" layout) on a layer's new queries and keys, and the write of the rotated
+  // keys and the values into the KV cache at per-row positions; returns the rotated queries
+  // [B, Q, H_q, D] (contiguous). The lean draft forward's per-layer step (draft_forward.py).
+  m.def(
+      "rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor write_pos) -> Tensor");
 }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import os
 import time
 import warnings
 import weakref
@@ -35,6 +36,7 @@ from torch import Tensor
 from . import config
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
+from .draft_forward import lean_draft
 from .draft_weights import check_draft_weights, draft_weights_for
 from .hf import AttentionState, check_model_supported, patched, rope_types
 from .packed_linear import tensor_key
@@ -143,6 +145,7 @@ class DecodeState:
     scores_fresh: bool = True
     streamer: object = None
     draft_weights: object = None  # a DraftWeights: the draft forwards' low-precision linears
+    lean_draft: object = None  # the draft forward (draft_forward.LeanDraft; False: the model's), made on first draft
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None
     prompt_ids: Optional[Tensor] = None
@@ -436,15 +439,29 @@ def draft(state: DecodeState, g: int):
     lengths = state.cache.lengths.long()
     tok = state.last_tok
     lowp = state.draft_weights.active() if state.draft_weights is not None else contextlib.nullcontext()
+    forward = _draft_forward(state)
     with lowp:  # the draft's linears on the low-precision copy; verification keeps the model's own
         for j in range(g):
             state.cache.begin_forward(1, offset=j)
-            lg = state.forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None], 1)
+            lg = forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None])
             tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j])[:, -1])
             if q is not None:
                 q[:, j] = qj
             drafts[:, j] = tok
     return drafts, q
+
+
+def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
+    """``(ids [B, 1], pos [B, 1]) -> logits [B, 1, V]`` of a draft step: the lean forward of
+    :mod:`vegas_ext.draft_forward` where it reproduces the model (fewer ops per layer; drafts only,
+    so the output is unchanged), else the model's own. ``VEGAS_LEAN_DRAFT=0`` turns it off."""
+    if state.lean_draft is None:
+        on = os.environ.get("VEGAS_LEAN_DRAFT", "1") != "0"
+        state.lean_draft = (lean_draft(state.model, state.draft_weights) if on else None) or False
+    lean, st = state.lean_draft, state.attn
+    if lean is False:
+        return lambda ids, pos: state.forward(ids, pos, 1)
+    return lambda ids, pos: lean(ids, pos, st)
 
 
 def verify(state: DecodeState, drafts: Tensor, score: bool = True) -> Tensor:

@@ -923,3 +923,105 @@ def _wol_fake(x, weight, scales=None, bias=None, group_size=64):
 torch.library.register_autograd("vegas::weight_only_linear", _no_backward("weight_only_linear"))
 weight_only_linear = _make_dispatching("weight_only_linear", weight_only_linear, _wol_fallback)
 __all__.append("weight_only_linear")
+
+
+# ---------------------------------------------------------------------------
+# rope_kv_write (RoPE + the K/V write of one layer: the lean draft forward, vegas_ext.draft_forward)
+# ---------------------------------------------------------------------------
+try:  # a library built before this op (stale build): define its schema here, the reference serves it
+    torch.ops.vegas.rope_kv_write.default
+except (AttributeError, RuntimeError):  # pragma: no cover
+    _rkw_lib = torch.library.Library("vegas", "FRAGMENT")
+    _rkw_lib.define(
+        "rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor write_pos) -> Tensor"
+    )
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("rope_kv_write", _dev)] = has_compiled_kernel("rope_kv_write", _dev)
+
+
+def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  write_pos: Tensor) -> Tensor:
+    """RoPE on one layer's new queries and keys, and the rotated keys and the values written into
+    that layer's KV cache, in one call (what transformers' ``apply_rotary_pos_emb`` and
+    :meth:`VegasCacheLayer.update <vegas_ext.cache.VegasCacheLayer.update>` do in ~20 tensor ops).
+
+    Rotation in the "rotate_half" layout of the Llama family: ``x * cos + rotate_half(x) * sin``,
+    ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, the two products rounded before the sum
+    as the tensor ops round them (the CPU kernel equals :func:`vegas_ext.reference.rope_kv_write`
+    bit for bit in float32). CPU kernel; elsewhere the reference runs.
+
+    Args:
+        q: ``[B, Q, H_q, D]`` float32, bfloat16 or float16, ``D`` even; any strides with the last
+            one 1 (e.g. a head view of a fused q/k/v projection).
+        k, v: ``[B, Q, H_kv, D]``, q's dtype and device, last stride 1.
+        cos, sin: ``[B, Q, D]``, q's dtype, last stride 1 (the model's rotary module's output for
+            the new tokens' positions).
+        k_cache, v_cache: ``[B, H_kv, S, D]``, q's dtype, last stride 1; written in place at
+            ``[b, :, write_pos[b, t]]`` (rotated keys / values).
+        write_pos: ``[B, Q]`` int64 positions in ``[0, S)`` (distinct within a row).
+
+    Returns:
+        ``[B, Q, H_q, D]`` contiguous: the rotated queries.
+
+    Raises:
+        ValueError / RuntimeError naming the argument: wrong rank, shape, dtype, device or layout,
+        an odd ``D``, a ``write_pos`` outside ``[0, S)``.
+    """
+    _require_tensors("rope_kv_write", q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                     write_pos=write_pos)
+    return torch.ops.vegas.rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, write_pos)
+
+
+def _check_rkw(op, q, k, v, cos, sin, k_cache, v_cache, write_pos):
+    _require_tensors(op, q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, write_pos=write_pos)
+    if q.dim() != 4:
+        _fail(op, f"q must be 4-D [B, Q, H_q, D], got shape {tuple(q.shape)}")
+    B, Q, _, D = q.shape
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _fail(op, f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if D <= 0 or D % 2:
+        _fail(op, f"head_dim D must be even and positive, got {D}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (B, Q, D):
+            _fail(op, f"{name} must have shape [B, Q, H, D] = [{B}, {Q}, H, {D}], got {tuple(t.shape)}")
+    if v.shape[2] != k.shape[2]:
+        _fail(op, f"v must have the heads of k ({k.shape[2]}), got {v.shape[2]}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (B, Q, D):
+            _fail(op, f"{name} must have shape [B, Q, D] = [{B}, {Q}, {D}], got {tuple(t.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (B, k.shape[2], D):
+            _fail(op, f"{name} must have shape [B, H_kv, S, D] = [{B}, {k.shape[2]}, S, {D}], got {tuple(t.shape)}")
+    if v_cache.shape[2] != k_cache.shape[2]:
+        _fail(op, f"v_cache must have the length of k_cache ({k_cache.shape[2]}), got {v_cache.shape[2]}")
+    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            _fail(op, f"{name} dtype ({t.dtype}) must equal q dtype ({q.dtype})")
+    for name, t in (("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("write_pos", write_pos)):
+        if t.device != q.device:
+            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if tuple(write_pos.shape) != (B, Q):
+        _fail(op, f"write_pos must have shape [B, Q] = [{B}, {Q}], got {tuple(write_pos.shape)}")
+    if write_pos.dtype != torch.int64:
+        _fail(op, f"write_pos must be int64, got {write_pos.dtype}")
+
+
+def _rkw_fallback(q, k, v, cos, sin, k_cache, v_cache, write_pos):
+    _check_rkw("rope_kv_write", q, k, v, cos, sin, k_cache, v_cache, write_pos)
+    S = k_cache.shape[2]
+    if write_pos.numel() and (int(write_pos.min()) < 0 or int(write_pos.max()) >= S):
+        _fail("rope_kv_write", f"write_pos values must lie in [0, S) = [0, {S}), got "
+                               f"[{int(write_pos.min())}, {int(write_pos.max())}]")
+    return reference.rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, write_pos)
+
+
+@torch.library.register_fake("vegas::rope_kv_write")
+def _rkw_fake(q, k, v, cos, sin, k_cache, v_cache, write_pos):
+    _check_rkw("rope_kv_write", q, k, v, cos, sin, k_cache, v_cache, write_pos)
+    return q.new_empty(q.shape)
+
+
+rope_kv_write = _make_dispatching("rope_kv_write", rope_kv_write, _rkw_fallback)
+__all__.append("rope_kv_write")

@@ -28,6 +28,7 @@ __all__ = [
     "quest_block_scores",
     "paged_block_scores",
     "weight_only_linear",
+    "rope_kv_write",
 ]
 
 
@@ -243,3 +244,23 @@ def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = Non
     if scales is not None:
         w = w * scales.float().repeat_interleave(group_size, dim=1)[:, :K]
     return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+
+
+def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  write_pos: Tensor) -> Tensor:
+    """transformers' ``apply_rotary_pos_emb`` ("rotate_half" layout) on ``q`` and ``k`` with
+    ``cos`` / ``sin`` ``[B, Q, D]``, then the rotated keys and ``v`` written into ``k_cache`` /
+    ``v_cache`` ``[B, H_kv, S, D]`` at ``write_pos`` ``[B, Q]`` as :meth:`VegasCache.update
+    <vegas_ext.cache.VegasCacheLayer.update>` writes them; returns the rotated ``q``, contiguous.
+    Shapes: see :func:`vegas_ext.ops.rope_kv_write`."""
+    c, s = cos[:, :, None], sin[:, :, None]
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    q_out = (q * c) + (rot(q) * s)
+    rows = torch.arange(q.shape[0], device=q.device)[:, None]
+    k_cache[rows, :, write_pos] = ((k * c) + (rot(k) * s)).to(k_cache.dtype)
+    v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
+    return q_out.contiguous()
