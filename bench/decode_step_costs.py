@@ -6,7 +6,9 @@ random K/V per row, then times single forwards, interleaved and repeated, keepin
 
 * ``hf_step``: HF's own decode step (sdpa, DynamicCache; the appended token is cropped after),
 * ``full_step``: our plain step (``verify_attention`` with Q=1; the ``"full"`` algorithm),
-* ``draft_step``: one draft token over the selected budget (``sparse_draft_attention``),
+* ``draft_step``: one draft token over the selected budget (``sparse_draft_attention``), as the
+  decode loop runs it: through the lean draft forward (``vegas_ext.draft_forward``) where it
+  applies (``VEGAS_LEAN_DRAFT=0``: the model's own forward; the record's ``lean_draft`` says which),
 * ``verify``: the verification of gamma+1 tokens (``verify_attention``),
 * ``select``: one ``block_topk`` over all layers,
 * ``draft_step_fp16`` / ``draft_step_int8`` (``--draft-weights fp16,int8``): the draft step with
@@ -75,9 +77,13 @@ LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::lin
               "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "vegas::weight_only_linear")
 
 
+#: our ops that count as "other" in ``--profile`` (RoPE and the K/V write of the lean draft forward)
+NOT_ATTENTION_OPS = ("vegas::rope_kv_write",)
+
+
 def profile_forward(fn, dev) -> dict:
     """Runs ``fn`` once under ``torch.profiler`` (CPU): its wall time and the self time of our
-    ``vegas::*`` ops (attention), of :data:`LINEAR_OPS` and of the rest (wall minus both: the other
+    ``vegas::*`` attention ops, of :data:`LINEAR_OPS` and of the rest (``vegas::rope_kv_write`` included) (wall minus both: the other
     aten ops and the Python between them), in ms. The profiler adds a little to each op."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,7 +97,7 @@ def profile_forward(fn, dev) -> dict:
     for ev in p.key_averages():
         if ev.key in LINEAR_OPS:
             lin += ev.self_cpu_time_total
-        elif ev.key.startswith("vegas::"):
+        elif ev.key.startswith("vegas::") and ev.key not in NOT_ATTENTION_OPS:
             attn += ev.self_cpu_time_total
     wall_ms, attn_ms, lin_ms = wall * 1e3, attn / 1e3, lin / 1e3
     return dict(wall=round(wall_ms, 2), attention=round(attn_ms, 2), linears=round(lin_ms, 2),
@@ -135,6 +141,15 @@ def main():
     from vegas_ext.draft_weights import DraftWeights
 
     dws = {k: DraftWeights(model, k) for k in args.draft_weights.split(",") if k}
+    leans = {}
+    if os.environ.get("VEGAS_LEAN_DRAFT", "1") != "0":
+        try:  # the lean draft forward (vegas_ext.draft_forward); older trees have none
+            from vegas_ext.draft_forward import lean_draft
+        except ImportError:
+            lean_draft = None
+        if lean_draft is not None:
+            leans = {dw: lean_draft(model, dw) for dw in [None, *dws.values()]}
+            leans = {k: v for k, v in leans.items() if v is not None}
     cfg = model.config
     V = cfg.vocab_size
     g = args.gamma
@@ -174,6 +189,14 @@ def main():
                 cache.begin_forward(q)
                 model(input_ids=tok[:, :q], position_ids=pos[:, :q], use_cache=True, logits_to_keep=0, **{ck: cache})
 
+            def draft(dw=None):  # as decode.draft runs a draft step: the lean forward where it applies
+                lean = leans.get(dw)
+                if lean is None:
+                    return _with(dw.active(), lambda: our("draft", 1)) if dw is not None else our("draft", 1)
+                st.mode = "draft"
+                cache.begin_forward(1)
+                return lean(tok[:, :1], pos[:, :1], st)
+
             def hf_step():
                 model(input_ids=tok[:, :1], position_ids=pos[:, :1], use_cache=True,
                       attention_mask=torch.ones(B, S + 1, dtype=torch.long, device=dev), **{ck: hf_cache})
@@ -185,12 +208,12 @@ def main():
             fns = {
                 "hf_step": hf_step,
                 "full_step": lambda: our("verify", 1),
-                "draft_step": lambda: our("draft", 1),
+                "draft_step": draft,
                 "verify": lambda: our("verify", g + 1),
                 "select": select,
             }
             for k, dw in dws.items():
-                fns[f"draft_step_{k}"] = (lambda dw: lambda: _with(dw.active(), lambda: our("draft", 1)))(dw)
+                fns[f"draft_step_{k}"] = (lambda dw: lambda: draft(dw))(dw)
             ours = ["full_step", "draft_step", *[f"draft_step_{k}" for k in dws], "verify", "select"]
             if args.no_hf:
                 del fns["hf_step"]
@@ -226,7 +249,7 @@ def main():
                 cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1" if dev.type == "cuda" else None,
                 context=S, batch=B, gamma=g, tau=tau, block_size=args.block_size, ratio=args.ratio,
                 min_tokens=args.min_tokens, threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype),
-                packed_linears=packed,
+                packed_linears=packed, lean_draft=bool(leans),
                 **{f"{k}_ms": round(v * 1e3, 2) for k, v in best.items()},
                 hf_tok_s=round(B / hf, 2) if hf else None, full_tok_s=round(B / best["full_step"], 2),
                 vegas_iteration_ms=round(1e3 * it, 2), full_iteration_ms_same_tokens=round(1e3 * tau * best["full_step"], 2),

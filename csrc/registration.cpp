@@ -59,4 +59,7 @@ TORCH_LIBRARY(vegas, m) {
   m.def(
       "rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor write_pos) -> Tensor");
+  // x += residual (in place, when given), then RMSNorm: weight * x / sqrt(mean(x^2) + eps) over
+  // the last dimension, in float32; returns the normed rows (x's shape and dtype).
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
 }

@@ -178,7 +178,7 @@ def _rkw_args(B=2, Q=3, Hq=6, Hkv=2, D=16, S=20, dtype=torch.float32, seed=0, fu
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
     kc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
     vc = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    start = torch.tensor([S - Q, 2])[:B]
+    start = torch.tensor([S - Q, 2, 0, (S - Q) // 2])[:B]
     pos = start[:, None] + torch.arange(Q)
     return q, k, v, cos, sin, kc, vc, pos
 
@@ -243,3 +243,56 @@ def test_rope_kv_write_bad_input_names_the_argument(i, bad, match):
         ops.rope_kv_write(*a)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         ops.rope_kv_write(None, *a[1:])
+
+
+# ------------------------------------------------------------------------------- vegas::add_rms_norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (4, 1, 64), (2, 3, 17), (5, 1)], ids=str)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "noadd"])
+def test_add_rms_norm_equals_reference(shape, dtype, with_residual):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    r = torch.randn(shape, generator=g).to(dtype) if with_residual else None
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    x2 = x.clone()
+    got = ops.add_rms_norm(x, r, w, 1e-5)
+    want = reference.add_rms_norm(x2, r, w, 1e-5)
+    assert torch.equal(x, x2)  # the same in-place sum (or none)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_add_rms_norm_equals_transformers_rmsnorm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    mod = LlamaRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        mod.weight.normal_()
+    x = torch.randn(3, 2, 96)
+    torch.testing.assert_close(ops.add_rms_norm(x.clone(), None, mod.weight.detach(), 1e-6), mod(x).detach(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_add_rms_norm_opcheck():
+    torch.library.opcheck(torch.ops.vegas.add_rms_norm.default, (torch.randn(2, 8), torch.randn(2, 8),
+                                                                 torch.randn(8), 1e-5))
+    torch.library.opcheck(torch.ops.vegas.add_rms_norm.default, (torch.randn(2, 8), None, torch.randn(8), 1e-5))
+
+
+@pytest.mark.parametrize("name,make,match", [
+    ("x", lambda x, r, w: (x.t(), r.t(), w), "x must be contiguous"),
+    ("x", lambda x, r, w: (x.double(), r.double(), w.double()), "x must be float32"),
+    ("weight", lambda x, r, w: (x, r, w[:5]), "weight must have shape"),
+    ("weight", lambda x, r, w: (x, r, w.half()), "weight dtype"),
+    ("residual", lambda x, r, w: (x, r[:1], w), "residual must have the shape"),
+    ("residual", lambda x, r, w: (x, r.half(), w), "residual dtype"),
+])
+def test_add_rms_norm_bad_input_names_the_argument(name, make, match):
+    x, r, w = make(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8))
+    with pytest.raises(ERR, match=match):
+        ops.add_rms_norm(x, r, w, 1e-5)
+    with pytest.raises(ERR, match="eps"):
+        ops.add_rms_norm(torch.randn(4, 8), None, torch.randn(8), -1.0)
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        ops.add_rms_norm(torch.randn(4, 8), None, [1.0] * 8, 1e-5)

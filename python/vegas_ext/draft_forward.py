@@ -7,8 +7,9 @@ K/V write and the attention wrapper's bookkeeping -- ~0.4 ms per layer, as much 
 attention and the linears of a layer together (issue 33). :class:`LeanDraft` runs the same
 computation with fewer calls:
 
-* one ``rms_norm`` op per norm; q/k/v, and gate/up, as one kernel call each on the fused
-  low-precision copies (:class:`~vegas_ext.draft_weights.DraftWeights` stores them so);
+* each residual add and the RMSNorm after it in one op, :func:`vegas_ext.ops.add_rms_norm`;
+  q/k/v, and gate/up, as one kernel call each on the fused low-precision copies
+  (:class:`~vegas_ext.draft_weights.DraftWeights` stores them so);
 * RoPE on q and k and the K/V write into the cache in one op, :func:`vegas_ext.ops.rope_kv_write`;
 * the cos/sin of the positions once per forward (the model's own rotary module), the attention
   straight to :func:`vegas_ext.ops.sparse_draft_attention`, the logits of the last position only.
@@ -44,8 +45,20 @@ _MODELS = {
     "MistralForCausalLM": "MistralDecoderLayer",
 }
 _SILU = ("silu", "swish")
-_WOL = torch.ops.vegas.weight_only_linear.default if ops.has_compiled_kernel("weight_only_linear", "cpu") \
-    else ops.weight_only_linear
+
+
+def _op(name: str):
+    """``torch.ops.vegas.<name>.default`` where the CPU kernel is built (the lean forward runs on
+    CPU only; straight to the op: ~200 calls per draft step), else the checked wrapper (reference)."""
+    return getattr(torch.ops.vegas, name).default if ops.has_compiled_kernel(name, "cpu") else getattr(ops, name)
+
+
+_WOL = _op("weight_only_linear")
+
+
+_ADD_RMS_NORM = _op("add_rms_norm")
+_ROPE_KV_WRITE = _op("rope_kv_write")
+_ATTEND = _op("sparse_draft_attention")
 
 
 def _norm(mod: nn.Module) -> Optional[Tuple[Tensor, float]]:
@@ -115,18 +128,20 @@ class LeanDraft:
     def __call__(self, ids: Tensor, pos: Tensor, state) -> Tensor:
         cache = state.cache
         B, Q = ids.shape
-        hq, hkv, d, hs = self.hq, self.hkv, self.d, (self.hidden,)
-        x = self.embed(ids)
+        hq, hkv, d = self.hq, self.hkv, self.d
+        x = self.embed(ids)  # a new tensor: the residual stream is updated in place below
         cos, sin = self.rotary(x, pos)  # [B, Q, D]: the model's own rotation (RoPE type, scaling)
         write_pos, seq_lens, tail, bs = cache._write_pos, cache.seq_lens, state.tail_start, state.block_size
-        write_hook, draft_hook, indices = state.write_hook, state.draft_hook, state.block_indices
-        rms, rope_kv, attend = F.rms_norm, ops.rope_kv_write, ops.sparse_draft_attention
+        write_hook, draft_hook = state.write_hook, state.draft_hook
+        indices = state.block_indices.unbind(0) if draft_hook is None else None  # one call, not one per layer
+        norm, rope_kv, attend = _ADD_RMS_NORM, _ROPE_KV_WRITE, _ATTEND
+        delta = None  # the previous layer's MLP output, added to x by the next norm
         for i, L in enumerate(self.layers):
-            h = rms(x, hs, L.n1[0], L.n1[1])
+            h = norm(x, delta, L.n1[0], L.n1[1])
             q, k, v = L.qkv(h)
             q, k, v = q.view(B, Q, hq, d), k.view(B, Q, hkv, d), v.view(B, Q, hkv, d)
             if L.qn is not None:  # Qwen3: RMSNorm of each head before the rotation
-                q, k = rms(q, (d,), L.qn[0], L.qn[1]), rms(k, (d,), L.kn[0], L.kn[1])
+                q, k = norm(q.contiguous(), None, L.qn[0], L.qn[1]), norm(k.contiguous(), None, L.kn[0], L.kn[1])
             cl = cache.layers[i]
             keys, values = cl.keys, cl.values
             q = rope_kv(q, k, v, cos, sin, keys, values, write_pos)
@@ -134,12 +149,11 @@ class LeanDraft:
                 write_hook(i, keys, seq_lens - Q)
             idx = draft_hook(i, q, keys, values) if draft_hook is not None else indices[i]
             o = attend(q, keys, values, idx, tail, seq_lens, bs, L.scaling)
-            x = x + L.o(o.view(B, Q, hq * d))
-            h = rms(x, hs, L.n2[0], L.n2[1])
+            h = norm(x, L.o(o.view(B, Q, hq * d)), L.n2[0], L.n2[1])
             g, u = L.gate_up(h)
-            x = x + L.down(F.silu(g).mul_(u))
-        x = rms(x[:, -1:], hs, self.norm[0], self.norm[1])
-        return self.lm_head(x)
+            delta = L.down(F.silu(g).mul_(u))
+        x = x[:, -1:]
+        return self.lm_head(norm(x.contiguous(), delta[:, -1:], self.norm[0], self.norm[1]))
 
 
 def lean_draft(model: nn.Module, dw=None) -> Optional[LeanDraft]:

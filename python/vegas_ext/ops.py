@@ -1025,3 +1025,81 @@ def _rkw_fake(q, k, v, cos, sin, k_cache, v_cache, write_pos):
 
 rope_kv_write = _make_dispatching("rope_kv_write", rope_kv_write, _rkw_fallback)
 __all__.append("rope_kv_write")
+
+
+# ---------------------------------------------------------------------------
+# add_rms_norm (residual add + RMSNorm: the lean draft forward's norms, vegas_ext.draft_forward)
+# ---------------------------------------------------------------------------
+try:  # a library built before this op (stale build): define its schema here, the reference serves it
+    torch.ops.vegas.add_rms_norm.default
+except (AttributeError, RuntimeError):  # pragma: no cover
+    _arn_lib = torch.library.Library("vegas", "FRAGMENT")
+    _arn_lib.define("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor")
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("add_rms_norm", _dev)] = has_compiled_kernel("add_rms_norm", _dev)
+
+
+def add_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float) -> Tensor:
+    """A residual add and the RMSNorm after it, in one call: ``x += residual`` in place (skipped
+    for ``residual=None``), then ``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension
+    (transformers' ``LlamaRMSNorm``), computed in float32.
+
+    On CPU a kernel (``F.rms_norm`` decomposes into ~10 tensor ops there); elsewhere the
+    reference. Equal to :func:`vegas_ext.reference.add_rms_norm` up to float32 summation order.
+
+    Args:
+        x: ``[..., N]`` float32, bfloat16 or float16, contiguous; updated in place when
+            ``residual`` is given.
+        residual: ``None`` or x's shape and dtype.
+        weight: ``[N]``, x's dtype.
+        eps: float >= 0.
+
+    Returns:
+        ``[..., N]`` in x's dtype: the normed rows.
+
+    Raises:
+        ValueError / RuntimeError naming the argument: wrong shape, dtype, device or layout, a
+        negative or non-finite ``eps``.
+    """
+    _require_tensors("add_rms_norm", x=x, residual_opt=residual, weight=weight)
+    return torch.ops.vegas.add_rms_norm(x, residual, weight, float(eps))
+
+
+def _check_arn(op, x, residual, weight, eps):
+    _require_tensors(op, x=x, residual_opt=residual, weight=weight)
+    if x.dim() < 1:
+        _fail(op, "x must have at least one dimension [..., N], got a scalar")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _fail(op, f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not x.is_contiguous():
+        _fail(op, "x must be contiguous (it is updated in place)")
+    N = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != N:
+        _fail(op, f"weight must have shape [N] = [{N}], got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        _fail(op, f"weight dtype ({weight.dtype}) must equal x dtype ({x.dtype})")
+    if not (math.isfinite(eps) and eps >= 0):
+        _fail(op, f"eps must be a finite float >= 0, got {eps}")
+    if residual is not None:
+        if residual.shape != x.shape:
+            _fail(op, f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            _fail(op, f"residual dtype ({residual.dtype}) must equal x dtype ({x.dtype})")
+    for name, t in (("weight", weight), ("residual", residual)):
+        if t is not None and t.device != x.device:
+            _fail(op, f"{name} must be on the same device as x ({x.device}), got {t.device}")
+
+
+def _arn_fallback(x, residual, weight, eps):
+    _check_arn("add_rms_norm", x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+@torch.library.register_fake("vegas::add_rms_norm")
+def _arn_fake(x, residual, weight, eps):
+    _check_arn("add_rms_norm", x, residual, weight, eps)
+    return torch.empty_like(x)
+
+
+add_rms_norm = _make_dispatching("add_rms_norm", add_rms_norm, _arn_fallback)
+__all__.append("add_rms_norm")

@@ -29,6 +29,7 @@ __all__ = [
     "paged_block_scores",
     "weight_only_linear",
     "rope_kv_write",
+    "add_rms_norm",
 ]
 
 
@@ -264,3 +265,14 @@ def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_c
     k_cache[rows, :, write_pos] = ((k * c) + (rot(k) * s)).to(k_cache.dtype)
     v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
     return q_out.contiguous()
+
+
+def add_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float) -> Tensor:
+    """``x += residual`` (in place, when given), then transformers' ``LlamaRMSNorm`` of ``x``:
+    ``weight * (x / sqrt(mean(x^2, -1) + eps))`` computed in float32, in ``x``'s dtype.
+    Shapes: see :func:`vegas_ext.ops.add_rms_norm`."""
+    if residual is not None:
+        x.add_(residual)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

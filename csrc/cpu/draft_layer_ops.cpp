@@ -1,4 +1,6 @@
-// CPU kernel of vegas::rope_kv_write: RoPE on a layer's new queries and keys and the write of
+// CPU kernels of the lean draft forward's per-layer ops (python/vegas_ext/draft_forward.py).
+//
+// vegas::rope_kv_write: RoPE on a layer's new queries and keys and the write of
 // the rotated keys and the values into the KV cache, in one call. A draft step of a small model
 // otherwise spends ~20 tensor ops per layer on this (HF's rotate_half rotation of q and k, two
 // indexed writes, a contiguous copy of q): ~50 us of dispatch for a few KB of data
@@ -11,6 +13,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <cmath>
 
 #include "checks.h"
 
@@ -118,10 +122,65 @@ at::Tensor rope_kv_write_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
+// vegas::add_rms_norm: the residual add and the RMSNorm that follows it (transformers'
+// LlamaRMSNorm: weight * x / sqrt(mean(x^2) + eps), in float32), one call instead of ~10 tensor
+// ops (F.rms_norm decomposes on CPU). The lean draft forward's norms.
+at::Tensor add_rms_norm_cpu(at::Tensor& x, const std::optional<at::Tensor>& residual,
+                            const at::Tensor& weight, double eps) {
+  const char* op = "vegas::add_rms_norm";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension [..., N], got a scalar");
+  TORCH_CHECK(is_attn_dtype(x.scalar_type()), op, ": x must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous (it is updated in place)");
+  const int64_t N = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == N, op, ": weight must have shape [N] = [", N,
+              "], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight dtype (", weight.scalar_type(),
+              ") must equal x dtype (", x.scalar_type(), ")");
+  check_same_device(op, x, "x", weight, "weight");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite float >= 0, got ", eps);
+  at::Tensor r;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes(), op, ": residual must have the shape of x ", x.sizes(),
+                ", got ", residual->sizes());
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type(), op, ": residual dtype (",
+                residual->scalar_type(), ") must equal x dtype (", x.scalar_type(), ")");
+    check_same_device(op, x, "x", *residual, "residual");
+    r = residual->contiguous();
+  }
+  at::Tensor out = at::empty_like(x);
+  const int64_t M = N == 0 ? 0 : x.numel() / N;
+  if (M == 0) return out;
+  const at::Tensor w = weight.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = r.defined() ? r.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op_ = out.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        scalar_t* xr = xp + m * N;
+        if (rp != nullptr) {
+          const scalar_t* rr = rp + m * N;
+          for (int64_t i = 0; i < N; ++i) xr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        }
+        float ss = 0.f;
+        for (int64_t i = 0; i < N; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(N) + static_cast<float>(eps));
+        scalar_t* orow = op_ + m * N;
+        for (int64_t i = 0; i < N; ++i)
+          orow[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(static_cast<scalar_t>(static_cast<float>(xr[i]) * inv)));
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace vegas
 
 TORCH_LIBRARY_IMPL(vegas, CPU, m) {
   m.impl("rope_kv_write", &vegas::cpu::rope_kv_write_cpu);
+  m.impl("add_rms_norm", &vegas::cpu::add_rms_norm_cpu);
 }
