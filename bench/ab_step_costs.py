@@ -84,7 +84,8 @@ def markdown(rows, meta, argv) -> str:
     if any("profile_ms" in r for r in rows):
         lines += ["", "Draft steps under torch.profiler (one profiled forward per process, medians; ms): "
                   "wall / attention ops / linears / other (= wall - both: other ops and Python; % of wall).", "",
-                  "| context x batch | step | tree | wall | attention | linears | other |", "|---|---|---|---|---|---|---|"]
+                  "| context x batch | step | tree | wall | attention | linears | other |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rows:
             for t, steps in r.get("profile_ms", {}).items():
                 for step, p in steps.items():

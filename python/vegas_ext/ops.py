@@ -925,12 +925,18 @@ weight_only_linear = _make_dispatching("weight_only_linear", weight_only_linear,
 __all__.append("weight_only_linear")
 
 
+def _op_defined(name: str) -> bool:
+    """Whether the loaded library defines ``vegas::<name>`` (a build older than the op does not)."""
+    try:
+        return getattr(torch.ops.vegas, name).default is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # ---------------------------------------------------------------------------
 # rope_kv_write (RoPE + the K/V write of one layer: the lean draft forward, vegas_ext.draft_forward)
 # ---------------------------------------------------------------------------
-try:  # a library built before this op (stale build): define its schema here, the reference serves it
-    torch.ops.vegas.rope_kv_write.default
-except (AttributeError, RuntimeError):  # pragma: no cover
+if not _op_defined("rope_kv_write"):  # a library built before this op: its schema here, the reference serves it
     _rkw_lib = torch.library.Library("vegas", "FRAGMENT")
     _rkw_lib.define(
         "rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
@@ -1030,9 +1036,7 @@ __all__.append("rope_kv_write")
 # ---------------------------------------------------------------------------
 # add_rms_norm (residual add + RMSNorm: the lean draft forward's norms, vegas_ext.draft_forward)
 # ---------------------------------------------------------------------------
-try:  # a library built before this op (stale build): define its schema here, the reference serves it
-    torch.ops.vegas.add_rms_norm.default
-except (AttributeError, RuntimeError):  # pragma: no cover
+if not _op_defined("add_rms_norm"):  # a library built before this op: its schema here, the reference serves it
     _arn_lib = torch.library.Library("vegas", "FRAGMENT")
     _arn_lib.define("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor")
 for _dev in ("cpu", "cuda"):
