@@ -3,8 +3,9 @@
     python -m bench.ab_step_costs --old-tree /path/to/other/checkout [--rounds 3] [--out PREFIX] \
         -- --contexts 8192 --batches 1,4 --gamma 4 --draft-weights int8 --profile --no-hf --threads 1
 
-Each round runs ``python -m bench.decode_step_costs ARGS`` once in each tree (that tree's script,
-package and build: ``PYTHONPATH`` = its ``python/`` and root), the order alternating every round,
+Each round runs ``python -m bench.decode_step_costs ARGS`` (this checkout's script: the same
+measurement for both) once on each tree's package and build (``PYTHONPATH`` = its ``python/``),
+the order alternating every round,
 pinned to one core (as bench/ab_trees_cpu.py, whose reasons apply: two trees timed at once in two
 processes measure identical code 10-20 % apart on a shared 2-core VM). Reported per cell (context,
 batch) and step: each tree's median over rounds of the per-process minimum, and the median of the
@@ -28,11 +29,11 @@ STEPS = ("full_step_ms", "draft_step_ms", "draft_step_fp16_ms", "draft_step_int8
 
 
 def run_tree(tree: Path, argv, cpu: int) -> list:
-    """One ``decode_step_costs`` process on ``tree``: its JSON records."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(tree)]), OMP_NUM_THREADS="1")
+    """One ``decode_step_costs`` process (this checkout's) on ``tree``'s package: its JSON records."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(ROOT)]), OMP_NUM_THREADS="1")
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
         cmd = ["taskset", "-c", str(cpu), sys.executable, "-m", "bench.decode_step_costs", *argv, "--out", f.name]
-        subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         return [json.loads(line) for line in Path(f.name).read_text().splitlines() if line.strip()]
 
 
@@ -61,7 +62,7 @@ def summarize(recs: dict) -> list:
             if profs:
                 row.setdefault("profile_ms", {})[t] = {
                     step: {part: _med(p[step][part] for p in profs if step in p)
-                           for part in ("wall", "attention", "linears", "other")}
+                           for part in ("wall", "attention", "linears", "other", "other_net")}
                     for step in profs[0] if step.startswith("draft_step")}
         rows.append(row)
     return rows
@@ -82,16 +83,21 @@ def markdown(rows, meta, argv) -> str:
             lines.append(f"| {r['context'] // 1024}K x {r['batch']} | {k[:-3]} | {r[k]['old']} | {r[k]['new']} | "
                          f"{r[k]['old_over_new']} | {rel.get('old', '-')} | {rel.get('new', '-')} |")
     if any("profile_ms" in r for r in rows):
-        lines += ["", "Draft steps under torch.profiler (one profiled forward per process, medians; ms): "
-                  "wall / attention ops / linears / other (= wall - both: other ops and Python; % of wall).", "",
-                  "| context x batch | step | tree | wall | attention | linears | other |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "Draft steps under torch.profiler (per process the fastest of 3 profiled forwards; medians over "
+                  "rounds; ms): wall / attention ops / linears / other (= wall - both: the other ops and the Python, "
+                  "with the profiler's own cost per op; % of wall) / other net (the unprofiled step time - "
+                  "attention - linears; % of the step).", "",
+                  "| context x batch | step | tree | wall | attention | linears | other | other net |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             for t, steps in r.get("profile_ms", {}).items():
                 for step, p in steps.items():
                     share = f" ({100 * p['other'] / p['wall']:.0f} %)" if p["wall"] else ""
+                    step_ms = r.get(f"{step}_ms", {}).get(t)
+                    net = p.get("other_net")
+                    net_s = "-" if net is None else f"{net}" + (f" ({100 * net / step_ms:.0f} %)" if step_ms else "")
                     lines.append(f"| {r['context'] // 1024}K x {r['batch']} | {step} | {t} | {p['wall']} | "
-                                 f"{p['attention']} | {p['linears']} | {p['other']}{share} |")
+                                 f"{p['attention']} | {p['linears']} | {p['other']}{share} | {net_s} |")
     return "\n".join(lines) + "\n"
 
 
