@@ -62,4 +62,6 @@ TORCH_LIBRARY(vegas, m) {
   // x += residual (in place, when given), then RMSNorm: weight * x / sqrt(mean(x^2) + eps) over
   // the last dimension, in float32; returns the normed rows (x's shape and dtype).
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
+  // silu(gate_up[..., :I]) * gate_up[..., I:] of a fused gate/up projection [..., 2 * I] -> [..., I].
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }

@@ -296,3 +296,29 @@ def test_add_rms_norm_bad_input_names_the_argument(name, make, match):
         ops.add_rms_norm(torch.randn(4, 8), None, torch.randn(8), -1.0)
     with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
         ops.add_rms_norm(torch.randn(4, 8), None, [1.0] * 8, 1e-5)
+
+
+# ----------------------------------------------------------------------------------- vegas::silu_mul
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (4, 1, 256), (3, 2, 10), (2,)], ids=str)
+def test_silu_mul_equals_reference(shape, dtype):
+    gu = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    got = ops.silu_mul(gu)
+    g, u = gu.chunk(2, -1)
+    want = torch.nn.functional.silu(g) * u  # transformers' act_fn(gate) * up
+    assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, reference.silu_mul(gu), **tol)
+    strided = torch.randn(*shape[:-1], shape[-1] * 2)[..., ::2].to(dtype)  # not contiguous
+    torch.testing.assert_close(ops.silu_mul(strided), reference.silu_mul(strided), **tol)
+
+
+def test_silu_mul_opcheck_and_bad_input():
+    torch.library.opcheck(torch.ops.vegas.silu_mul.default, (torch.randn(3, 8),))
+    with pytest.raises(ERR, match="gate_up's last dimension must be even"):
+        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(ERR, match="gate_up must be float32"):
+        ops.silu_mul(torch.randn(2, 8).double())
+    with pytest.raises(TypeError, match="gate_up must be a torch.Tensor"):
+        ops.silu_mul([1.0, 2.0])

@@ -9,7 +9,8 @@ computation with fewer calls:
 
 * each residual add and the RMSNorm after it in one op, :func:`vegas_ext.ops.add_rms_norm`;
   q/k/v, and gate/up, as one kernel call each on the fused low-precision copies
-  (:class:`~vegas_ext.draft_weights.DraftWeights` stores them so);
+  (:class:`~vegas_ext.draft_weights.DraftWeights` stores them so), the gated activation on the
+  fused gate/up output in one op, :func:`vegas_ext.ops.silu_mul`;
 * RoPE on q and k and the K/V write into the cache in one op, :func:`vegas_ext.ops.rope_kv_write`;
 * the cos/sin of the positions once per forward (the model's own rotary module), the attention
   straight to :func:`vegas_ext.ops.sparse_draft_attention`, the logits of the last position only.
@@ -59,6 +60,7 @@ _WOL = _op("weight_only_linear")
 _ADD_RMS_NORM = _op("add_rms_norm")
 _ROPE_KV_WRITE = _op("rope_kv_write")
 _ATTEND = _op("sparse_draft_attention")
+_SILU_MUL = _op("silu_mul")
 
 
 def _norm(mod: nn.Module) -> Optional[Tuple[Tensor, float]]:
@@ -85,14 +87,27 @@ def _linear_fn(dw, mod: nn.Module) -> Callable[[Tensor], Tensor]:
     return lambda x: _WOL(x, w, s, b, gs)
 
 
-def _group_fn(dw, mods) -> Callable[[Tensor], List[Tensor]]:
-    """``x -> [m(x) for m in mods]``, in one kernel call when ``dw`` holds their fused copy."""
+def _qkv_fn(dw, mods, heads) -> Callable[[Tensor], List[Tensor]]:
+    """``h [B, Q, hidden] -> (q, k, v)`` as ``[B, Q, H, D]`` (views), in one kernel call when
+    ``dw`` holds the fused q/k/v copy."""
+    hq, hkv, d = heads
     f = dw.fused(mods) if dw is not None else None
     if f is None:
-        fns = [_linear_fn(dw, m) for m in mods]
-        return lambda x: [fn(x) for fn in fns]
-    w, s, b, gs, splits = f.weight, f.scales, f.bias, _group_size(), list(f.splits)
-    return lambda x: _WOL(x, w, s, b, gs).split(splits, -1)
+        fq, fk, fv = (_linear_fn(dw, m) for m in mods)
+        return lambda x: (fq(x).view(*x.shape[:-1], hq, d), fk(x).view(*x.shape[:-1], hkv, d),
+                          fv(x).view(*x.shape[:-1], hkv, d))
+    w, s, b, gs, nh = f.weight, f.scales, f.bias, _group_size(), [hq, hkv, hkv]
+    return lambda x: _WOL(x, w, s, b, gs).view(*x.shape[:-1], hq + 2 * hkv, d).split_with_sizes(nh, -2)
+
+
+def _act_fn(dw, mods) -> Callable[[Tensor], Tensor]:
+    """``h -> silu(gate(h)) * up(h)``, in two calls when ``dw`` holds the fused gate/up copy."""
+    f = dw.fused(mods) if dw is not None else None
+    if f is None:
+        fg, fu = (_linear_fn(dw, m) for m in mods)
+        return lambda x: F.silu(fg(x)).mul_(fu(x))
+    w, s, b, gs, act = f.weight, f.scales, f.bias, _group_size(), _SILU_MUL
+    return lambda x: act(_WOL(x, w, s, b, gs))
 
 
 def _group_size() -> int:
@@ -102,7 +117,7 @@ def _group_size() -> int:
 
 
 class _Layer:
-    __slots__ = ("n1", "n2", "qkv", "o", "gate_up", "down", "qn", "kn", "scaling")
+    __slots__ = ("n1", "n2", "qkv", "o", "act", "down", "qn", "kn", "scaling")
 
 
 class LeanDraft:
@@ -128,7 +143,7 @@ class LeanDraft:
     def __call__(self, ids: Tensor, pos: Tensor, state) -> Tensor:
         cache = state.cache
         B, Q = ids.shape
-        hq, hkv, d = self.hq, self.hkv, self.d
+        hq, d = self.hq, self.d
         x = self.embed(ids)  # a new tensor: the residual stream is updated in place below
         cos, sin = self.rotary(x, pos)  # [B, Q, D]: the model's own rotation (RoPE type, scaling)
         write_pos, seq_lens, tail, bs = cache._write_pos, cache.seq_lens, state.tail_start, state.block_size
@@ -139,7 +154,6 @@ class LeanDraft:
         for i, L in enumerate(self.layers):
             h = norm(x, delta, L.n1[0], L.n1[1])
             q, k, v = L.qkv(h)
-            q, k, v = q.view(B, Q, hq, d), k.view(B, Q, hkv, d), v.view(B, Q, hkv, d)
             if L.qn is not None:  # Qwen3: RMSNorm of each head before the rotation
                 q, k = norm(q.contiguous(), None, L.qn[0], L.qn[1]), norm(k.contiguous(), None, L.kn[0], L.kn[1])
             cl = cache.layers[i]
@@ -150,8 +164,7 @@ class LeanDraft:
             idx = draft_hook(i, q, keys, values) if draft_hook is not None else indices[i]
             o = attend(q, keys, values, idx, tail, seq_lens, bs, L.scaling)
             h = norm(x, L.o(o.view(B, Q, hq * d)), L.n2[0], L.n2[1])
-            g, u = L.gate_up(h)
-            delta = L.down(F.silu(g).mul_(u))
+            delta = L.down(L.act(h))
         x = x[:, -1:]
         return self.lm_head(norm(x.contiguous(), delta[:, -1:], self.norm[0], self.norm[1]))
 
@@ -212,9 +225,9 @@ def lean_draft(model: nn.Module, dw=None) -> Optional[LeanDraft]:
         L.qn, L.kn = (_norm(qn), _norm(kn)) if qn is not None else (None, None)
         if (qn is not None) and (L.qn is None or L.kn is None):
             return None
-        L.qkv = _group_fn(dw, tuple(projs[:3]))
+        L.qkv = _qkv_fn(dw, tuple(projs[:3]), heads)
         L.o = _linear_fn(dw, projs[3])
-        L.gate_up = _group_fn(dw, tuple(mlps[:2]))
+        L.act = _act_fn(dw, tuple(mlps[:2]))
         L.down = _linear_fn(dw, mlps[2])
         L.scaling = float(getattr(a, "scaling", d ** -0.5))
         layers.append(L)

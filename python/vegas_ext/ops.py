@@ -1107,3 +1107,57 @@ def _arn_fake(x, residual, weight, eps):
 
 add_rms_norm = _make_dispatching("add_rms_norm", add_rms_norm, _arn_fallback)
 __all__.append("add_rms_norm")
+
+
+# ---------------------------------------------------------------------------
+# silu_mul (the gated activation on a fused gate/up projection: the lean draft forward's MLP)
+# ---------------------------------------------------------------------------
+if not _op_defined("silu_mul"):  # a library built before this op: its schema here, the reference serves it
+    _sm_lib = torch.library.Library("vegas", "FRAGMENT")
+    _sm_lib.define("silu_mul(Tensor gate_up) -> Tensor")
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("silu_mul", _dev)] = has_compiled_kernel("silu_mul", _dev)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate_up[..., :I]) * gate_up[..., I:]``: a Llama-family MLP's gated activation on its
+    fused gate/up projection, in one call (a split, a SiLU and a product otherwise).
+
+    Args:
+        gate_up: ``[..., 2 * I]`` float32, bfloat16 or float16 (gate first, then up).
+
+    Returns:
+        ``[..., I]``, gate_up's dtype; equal to :func:`vegas_ext.reference.silu_mul` up to float32
+        rounding of the exponential. CPU kernel; elsewhere the reference.
+
+    Raises:
+        ValueError / RuntimeError naming ``gate_up``: a scalar, an odd last dimension, another dtype.
+    """
+    _require_tensors("silu_mul", gate_up=gate_up)
+    return torch.ops.vegas.silu_mul(gate_up)
+
+
+def _check_sm(op, gate_up):
+    _require_tensors(op, gate_up=gate_up)
+    if gate_up.dim() < 1:
+        _fail(op, "gate_up must have at least one dimension [..., 2 * I], got a scalar")
+    if gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _fail(op, f"gate_up must be float32, bfloat16 or float16, got {gate_up.dtype}")
+    if gate_up.shape[-1] % 2:
+        _fail(op, f"gate_up's last dimension must be even (gate and up halves), got {gate_up.shape[-1]}")
+
+
+def _sm_fallback(gate_up):
+    _check_sm("silu_mul", gate_up)
+    return reference.silu_mul(gate_up)
+
+
+@torch.library.register_fake("vegas::silu_mul")
+def _sm_fake(gate_up):
+    _check_sm("silu_mul", gate_up)
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+torch.library.register_autograd("vegas::silu_mul", _no_backward("silu_mul"))
+silu_mul = _make_dispatching("silu_mul", silu_mul, _sm_fallback)
+__all__.append("silu_mul")

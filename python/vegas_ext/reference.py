@@ -30,6 +30,7 @@ __all__ = [
     "weight_only_linear",
     "rope_kv_write",
     "add_rms_norm",
+    "silu_mul",
 ]
 
 
@@ -276,3 +277,10 @@ def add_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: flo
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate_up[..., :I]) * gate_up[..., I:]`` (``gate_up`` ``[..., 2 * I]``): the gated
+    activation of a Llama-family MLP on its fused gate/up projection."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
