@@ -322,3 +322,17 @@ def test_silu_mul_opcheck_and_bad_input():
         ops.silu_mul(torch.randn(2, 8).double())
     with pytest.raises(TypeError, match="gate_up must be a torch.Tensor"):
         ops.silu_mul([1.0, 2.0])
+
+
+def test_prefill_cache_is_reused_with_draft_weights():
+    """The draft weights' forward wrappers (installed for the whole call) compute the original
+    outside drafts: they must not make the model unfingerprintable (every prefill was recomputed)."""
+    model = make_model("llama", seed=3)
+    ids, mask = make_prompts(model.config.vocab_size, [40], seed=2)
+    pc = {}
+    kw = dict(max_new_tokens=8, eos_token_id=[], prefill_cache=pc, **KW)
+    vegas_ext.generate(model, ids, mask, sparse_attn_algorithm="full", **kw)
+    for dw in ("int8", "int8", None):
+        out = vegas_ext.generate(model, ids, mask, draft_weights=dw, **kw)
+        assert out.stats["prefill_reused"] and out.stats["prefill_miss"] is None, out.stats["prefill_miss"]
+        assert torch.equal(out.sequences, hf_greedy(model, ids, mask, 8, eos_token_id=[]))

@@ -354,6 +354,8 @@ def _model_fingerprint(model) -> dict:
         for k, v in vars(mod).items():
             if k in _MODULE_INTERNALS or k.startswith("_vegas") or k in caches:  # _vegas*: patched() bookkeeping
                 continue
+            if k == "forward" and "_vegas_dw_users" in vars(mod):  # draft weights' wrapper: the original outside drafts
+                continue
             if k == "generation_config" or k == "config":  # decoding options / snapshot below
                 if k == "config" and id(v) not in configs:
                     configs[id(v)] = _config_snapshot(v, f"{where}.config")
