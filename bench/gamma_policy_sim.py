@@ -9,7 +9,7 @@ fixed-gamma rows (a least-squares line through them) -- and simulates decoding w
 policy classes of ``vegas_ext.speculation``: every timing multiplied by a Gaussian noise factor,
 each draft accepted with probability ``p`` given that the ones before it were (several ``p``),
 rows stopping at ``--new-tokens``; a speculative iteration after plain steps is preceded by a
-plain step that scores the KV blocks, as in ``vegas_ext.decode.step``. Reported: each policy's
+plain step that scores the KV blocks, as in ``vegas_ext.decode.advance``. Reported: each policy's
 decode rate relative to ``full`` (plain decoding) and to the best fixed gamma of the cell,
 medians over seeds.
 
