@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from ..config import (
     ALGORITHMS,
@@ -188,17 +188,16 @@ def _validate(args) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "num_speculative_tokens": gamma, "block_size": block_size})
 
 
+def decode_options(args) -> Dict[str, Any]:
+    """The flag table: every :func:`vegas_ext.generate` option that has a flag
+    (``config.OPTIONS[name].cli``), mapped from its API name to the flag's parsed value."""
+    return {name: getattr(args, opt.cli[2:].replace("-", "_")) for name, opt in OPTIONS.items() if opt.cli}
+
+
 def _check_decode_options(args, gamma) -> None:
     """The decode options through :mod:`vegas_ext.config`, as :func:`vegas_ext.generate` checks
     them, named by their flags; raises ``ValueError``."""
-    values = dict(
-        max_new_tokens=args.max_new_tokens, num_speculative_tokens=gamma,
-        max_speculative_tokens=args.max_speculative_tokens, sparse_attn_algorithm=args.algorithm,
-        sparse_attn_ratio=args.ratio, sparse_attn_min_tokens=args.min_tokens, sparse_attn_max_tokens=args.max_tokens,
-        block_size=args.block_size, num_sink_blocks=args.sink_blocks, share_selection_across_heads=args.share_selection,
-        query_weights=args.query_weights, selection_refresh_interval=args.refresh_interval, do_sample=args.do_sample,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-    )
+    values = {**decode_options(args), "num_speculative_tokens": gamma}
     labels = {name: opt.cli for name, opt in OPTIONS.items() if opt.cli}
     if gamma != "auto":  # >= 1: the CLI's plain decoding is --algorithm full
         check_int(gamma, "--num-speculative-tokens", 1, INT64_MAX, what="or auto")

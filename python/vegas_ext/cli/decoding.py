@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-from .arguments import CLIError
+from .arguments import CLIError, decode_options
 from .common import _eprint, _sync
 from .inputs import Batch, new_tokens
 from .progress import RunProgress
@@ -33,28 +33,14 @@ class Run:
 
 def generate_kwargs(args, batch: Batch, generator) -> Dict[str, Any]:
     """The keyword arguments of :func:`vegas_ext.generate` for the checked ``args``."""
-    return dict(
-        max_new_tokens=batch.max_new,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_speculative_tokens=args.max_speculative_tokens,
-        sparse_attn_algorithm=args.algorithm,
-        sparse_attn_ratio=args.ratio,
-        sparse_attn_min_tokens=args.min_tokens,
-        sparse_attn_max_tokens=args.max_tokens,
-        block_size=args.block_size,
-        num_sink_blocks=args.sink_blocks,
-        share_selection_across_heads=args.share_selection,
-        query_weights=args.query_weights,
-        selection_refresh_interval=args.refresh_interval,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=batch.eos,  # [] = never stop at EOS
-        pad_token_id=batch.pad_id,
-        generator=generator,
-        draft_weights=None if args.draft_weights == "none" else args.draft_weights,
-    )
+    return {
+        **decode_options(args),
+        "max_new_tokens": batch.max_new,  # lowered to fit the model's positions
+        "eos_token_id": batch.eos,  # [] = never stop at EOS
+        "pad_token_id": batch.pad_id,
+        "generator": generator,
+        "draft_weights": None if args.draft_weights == "none" else args.draft_weights,
+    }
 
 
 def make_generator(args, device):
@@ -112,4 +98,5 @@ def run_vegas(model, tok, batch: Batch, kwargs: Dict[str, Any], args) -> Run:
     n = sum(len(r) for r in tokens)
     stats.setdefault("wall_s", wall)
     stats["wall_tokens_per_s"] = n / wall if wall > 0 else None
-    return Run(tokens=tokens, stats=stats, wall=wall, streamed=prog.streamer.inner is not None)
+    streamed = prog.streamer.inner is not None  # a TextStreamer printed the text as it came
+    return Run(tokens=tokens, stats=stats, wall=wall, streamed=streamed)
