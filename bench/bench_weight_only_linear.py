@@ -28,46 +28,73 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    return ap.parse_args(argv)
+
+
+def read_bandwidth_gbs() -> float:
+    """GB/s of the median of 5 ``sum``s over 512 MB of random fp32 (the machine's read bandwidth)."""
     big = torch.randn(128 * 1024 * 1024)
     bw = statistics.median(timed(big.sum) for _ in range(5))
-    read_gbs = big.numel() * 4 / bw / 1e9
-    del big
+    return big.numel() * 4 / bw / 1e9
+
+
+def step_weights():
+    """``(weights, bytes_of)``: the :data:`SHAPES` weights as fp32, fp16, bf16 and int8 (``{"fp32":
+    [...], "fp16": ..., "bf16": ..., "int8": [(q, scales), ...]}``) and the bytes each variant reads."""
     ws = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
     n_w = sum(w.numel() for w in ws)
-    w16 = [w.half() for w in ws]
-    wbf = [w.bfloat16() for w in ws]
     q8 = [quantize_int8(w, INT8_GROUP_SIZE) for w in ws]
-    op = torch.ops.vegas.weight_only_linear.default
+    weights = {"fp32": ws, "fp16": [w.half() for w in ws], "bf16": [w.bfloat16() for w in ws], "int8": q8}
     bytes_of = {"fp32 F.linear": 4 * n_w, "fp16 F.linear": 2 * n_w, "bf16 F.linear": 2 * n_w,
                 "kernel fp16": 2 * n_w, "kernel int8": sum(q.numel() + 4 * s.numel() for q, s in q8)}
+    return weights, bytes_of
+
+
+def step_fns(weights: dict, M: int) -> dict:
+    """Variant name -> one pass over every weight at ``M`` random rows (see the module docstring)."""
+    ws, w16, wbf, q8 = weights["fp32"], weights["fp16"], weights["bf16"], weights["int8"]
+    op = torch.ops.vegas.weight_only_linear.default
+    xs = [torch.randn(M, w.shape[1]) for w in ws]
+    xh = [x.half() for x in xs]
+    xb = [x.bfloat16() for x in xs]
+    return {
+        "fp32 F.linear": lambda: [F.linear(x, w) for x, w in zip(xs, ws)],
+        "fp16 F.linear": lambda: [F.linear(x, w) for x, w in zip(xh, w16)],
+        "bf16 F.linear": lambda: [F.linear(x, w) for x, w in zip(xb, wbf)],
+        "kernel fp16": lambda: [op(x, w, None, None, 64) for x, w in zip(xs, w16)],
+        "kernel int8": lambda: [op(x, q, s, None, INT8_GROUP_SIZE) for x, (q, s) in zip(xs, q8)],
+    }
+
+
+def time_rounds(fns: dict, rounds: int) -> dict:
+    """Seconds of each fn in each of ``rounds`` interleaved rounds, after one warm-up call each."""
+    times = {k: [] for k in fns}
+    for f in fns.values():
+        f()  # warm-up
+    for _ in range(rounds):
+        for k, f in fns.items():
+            times[k].append(timed(f))
+    return times
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    read_gbs = read_bandwidth_gbs()
+    weights, bytes_of = step_weights()
+    n_w = sum(w.numel() for w in weights["fp32"])
     res = {"read_bandwidth_gbs": read_gbs, "threads": args.threads, "weights": n_w, "rows": {}}
     print(f"read bandwidth (512 MB fp32 sum, {args.threads} thread(s)): {read_gbs:.1f} GB/s; {n_w / 1e6:.0f} M weights")
     for M in args.rows:
-        xs = [torch.randn(M, w.shape[1]) for w in ws]
-        xh = [x.half() for x in xs]
-        xb = [x.bfloat16() for x in xs]
-        fns = {
-            "fp32 F.linear": lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, ws)],
-            "fp16 F.linear": lambda xh=xh: [F.linear(x, w) for x, w in zip(xh, w16)],
-            "bf16 F.linear": lambda xb=xb: [F.linear(x, w) for x, w in zip(xb, wbf)],
-            "kernel fp16": lambda xs=xs: [op(x, w, None, None, 64) for x, w in zip(xs, w16)],
-            "kernel int8": lambda xs=xs: [op(x, q, s, None, INT8_GROUP_SIZE) for x, (q, s) in zip(xs, q8)],
-        }
-        times = {k: [] for k in fns}
-        for f in fns.values():
-            f()  # warm-up
-        for _ in range(args.rounds):
-            for k, f in fns.items():
-                times[k].append(timed(f))
+        times = time_rounds(step_fns(weights, M), args.rounds)
         row = {}
         for k, ts in times.items():
             t = statistics.median(ts)

@@ -36,7 +36,8 @@ VARIANTS = [
 ]
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
@@ -46,7 +47,39 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--variants", default="all", help="comma-separated indices into VARIANTS, or all")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def variant_record(args: argparse.Namespace, v: dict, out, full, t_plain: float, wall_s: float) -> dict:
+    """The record of variant ``v``'s run ``out`` (a ``generate`` output; ``full`` the plain run,
+    ``t_plain`` its seconds per step): acceptance per position, per-step costs, and the cost model's
+    tokens/s for every gamma up to ``--gamma`` (module docstring)."""
+    s = out.stats
+    it = max(s["num_iterations"], 1)
+    drafts = max(s["num_drafts"], 1)
+    p_acc = [c / drafts for c in s["num_accepted_tokens_per_pos"]]
+    t_draft = s["time_draft_s"] / max(s["num_draft_tokens"] / args.batch, 1)
+    t_ver = s["time_verify_s"] / it
+    t_sel = s["time_select_s"] / it
+    pred = {}
+    for g in range(0, args.gamma + 1):
+        tau = 1 + sum(p_acc[:g])
+        tv = t_plain + (t_ver - t_plain) * g / args.gamma
+        pred[g] = args.batch * tau / (g * t_draft + tv + (t_sel if g else 0.0))
+    best = max(pred, key=pred.get)
+    return dict(
+        kind="vegas", variant=v, context=args.context, batch=args.batch, gamma=args.gamma,
+        identical=bool(torch.equal(out.sequences, full.sequences)),
+        mean_acceptance_length=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
+        p_accept_per_pos=[round(x, 3) for x in p_acc],
+        t_draft_step_s=t_draft, t_verify_s=t_ver, t_select_s=t_sel, t_plain_step_s=t_plain,
+        predicted_tokens_per_s={g: round(x, 2) for g, x in pred.items()}, best_gamma=best,
+        measured_decode_tokens_per_s=s["decode_tokens_per_s"], wall_s=wall_s,
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = models.load_model()
@@ -73,28 +106,7 @@ def main():
         v = dict(VARIANTS[i])
         t0 = time.perf_counter()
         out = vegas_ext.generate(model, ids, num_speculative_tokens=args.gamma, **v, **common)
-        s = out.stats
-        it = max(s["num_iterations"], 1)
-        drafts = max(s["num_drafts"], 1)
-        p_acc = [c / drafts for c in s["num_accepted_tokens_per_pos"]]
-        t_draft = s["time_draft_s"] / max(s["num_draft_tokens"] / args.batch, 1)
-        t_ver = s["time_verify_s"] / it
-        t_sel = s["time_select_s"] / it
-        pred = {}
-        for g in range(0, args.gamma + 1):
-            tau = 1 + sum(p_acc[:g])
-            tv = t_plain + (t_ver - t_plain) * g / args.gamma
-            pred[g] = args.batch * tau / (g * t_draft + tv + (t_sel if g else 0.0))
-        best = max(pred, key=pred.get)
-        emit(dict(
-            kind="vegas", variant=v, context=args.context, batch=args.batch, gamma=args.gamma,
-            identical=bool(torch.equal(out.sequences, full.sequences)),
-            mean_acceptance_length=s["mean_acceptance_length"], draft_acceptance_rate=s["draft_acceptance_rate"],
-            p_accept_per_pos=[round(x, 3) for x in p_acc],
-            t_draft_step_s=t_draft, t_verify_s=t_ver, t_select_s=t_sel, t_plain_step_s=t_plain,
-            predicted_tokens_per_s={g: round(x, 2) for g, x in pred.items()}, best_gamma=best,
-            measured_decode_tokens_per_s=s["decode_tokens_per_s"], wall_s=time.perf_counter() - t0,
-        ))
+        emit(variant_record(args, v, out, full, t_plain, time.perf_counter() - t0))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import DynamicCache
@@ -78,13 +80,14 @@ LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::lin
 
 
 #: our ops that count as "other" in ``--profile`` (RoPE and the K/V write of the lean draft forward)
-NOT_ATTENTION_OPS = ("vegas::rope_kv_write",)
+NOT_ATTENTION_OPS = ("vegas::rope_kv_write", "vegas::add_rms_norm", "vegas::silu_mul")
 
 
 def profile_forward(fn, dev) -> dict:
     """Runs ``fn`` once under ``torch.profiler`` (CPU): its wall time and the self time of our
-    ``vegas::*`` attention ops, of :data:`LINEAR_OPS` and of the rest (``vegas::rope_kv_write`` included) (wall minus both: the other
-    aten ops and the Python between them), in ms. The profiler adds a little to each op."""
+    ``vegas::*`` attention ops, of :data:`LINEAR_OPS` and of the rest (wall minus both: the other
+    ops, :data:`NOT_ATTENTION_OPS` included, and the Python between them), in ms. The profiler adds
+    a little to each op."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(dev)
@@ -104,7 +107,8 @@ def profile_forward(fn, dev) -> dict:
                 other=round(wall_ms - attn_ms - lin_ms, 2))
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--batches", default="1,4")
@@ -129,7 +133,13 @@ def main():
                     help="after the timing, run each of our forwards 3 more times under torch.profiler and "
                          "record where the fastest one's time went (profile_ms: our attention ops, the linear "
                          "layers, the rest; other_net: the unprofiled minimum less both)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def load(args: argparse.Namespace):
+    """``(model, packed, dws)``: the model of ``--model-config`` (or the embedded SmolLM2) on
+    ``--device`` in ``--dtype``, the number of linears packed, and a :class:`DraftWeights` per kind
+    of ``--draft-weights``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -142,135 +152,202 @@ def main():
     from vegas_ext.draft_weights import DraftWeights
 
     dws = {k: DraftWeights(model, k) for k in args.draft_weights.split(",") if k}
-    leans = {}
-    if os.environ.get("VEGAS_LEAN_DRAFT", "1") != "0":
-        try:  # the lean draft forward (vegas_ext.draft_forward); older trees have none
-            from vegas_ext.draft_forward import lean_draft
-        except ImportError:
-            lean_draft = None
-        if lean_draft is not None:
-            leans = {dw: lean_draft(model, dw) for dw in [None, *dws.values()]}
-            leans = {k: v for k, v in leans.items() if v is not None}
-    cfg = model.config
-    V = cfg.vocab_size
+    return model, packed, dws
+
+
+@dataclass
+class Cell:
+    """One (batch, context) cell: a filled :class:`VegasCache` with its attention state and
+    selection, HF's ``DynamicCache`` (None with ``--no-hf``), and the gamma+1 tokens to feed."""
+
+    B: int
+    S: int
+    cache: VegasCache
+    st: AttentionState
+    sel: VegasSelection
+    ctx: SelectionContext
+    hf_cache: Optional[DynamicCache]
+    tok: torch.Tensor
+    pos: torch.Tensor
+
+    @property
+    def dev(self) -> torch.device:
+        return self.cache.layers[0].keys.device
+
+
+def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
+    """Fills the caches of one cell with random K/V (seeded: the same cell gets the same values)
+    and selects the draft budget over random block scores."""
     g = args.gamma
+    torch.manual_seed(0)
+    cache = VegasCache.for_model(model, B, S + g + 2)
+    dev = cache.layers[0].keys.device
+    for lay in cache.layers:
+        lay.keys.normal_()
+        lay.values.normal_()
+    cache.commit(torch.full((B,), S, dtype=torch.int32, device=dev))
+    st = AttentionState(cache=cache, block_size=args.block_size)
+    L, H = len(cache.layers), cache.layers[0].num_heads
+    nb = -(-cache.max_len // args.block_size)
+    st.block_scores = torch.rand(L, B, H, nb, device=dev)
+    sel = VegasSelection(SelectionConfig(args.ratio, args.min_tokens, None, args.block_size, 1, False))
+    tail = torch.full((B,), S - g - 1, dtype=torch.int32, device=dev)
+    st.tail_start = tail
+    ctx = SelectionContext(st.block_scores, cache.lengths, tail, cache)
+    st.block_indices = sel.select(ctx)
+    hd = cache.layers[0].keys.shape[-1]
+    hf_cache = None
+    if not args.no_hf:
+        hf_cache = DynamicCache(config=model.config)
+        for i in range(L):
+            hf_cache.update(torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype),
+                            torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype), i)
+    tok = torch.randint(0, model.config.vocab_size, (B, g + 1), device=dev)
+    pos = torch.full((B, g + 1), S, device=dev) + torch.arange(g + 1, device=dev)
+    return Cell(B, S, cache, st, sel, ctx, hf_cache, tok, pos)
+
+
+def lean_drafts(model, dws: dict) -> dict:
+    """The lean draft forward per draft weights (``None``: the model's own linears) where it applies
+    and ``VEGAS_LEAN_DRAFT`` is not 0, as the decode loop drafts; ``{}`` for a tree without one."""
+    if os.environ.get("VEGAS_LEAN_DRAFT", "1") == "0":
+        return {}
+    try:  # vegas_ext.draft_forward; older trees (A/B runs, bench/ab_step_costs.py) have none
+        from vegas_ext.draft_forward import lean_draft
+    except ImportError:
+        return {}
+    leans = {dw: lean_draft(model, dw) for dw in [None, *dws.values()]}
+    return {k: v for k, v in leans.items() if v is not None}
+
+
+def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict):
+    """``(fns, ours)``: the timed forwards of ``cell`` by name (``hf_step`` only with an HF cache)
+    and the names of ours, in the order they are timed; draft steps through ``leans`` where they
+    hold the draft weights' lean forward."""
     ck = _cache_kwarg(model)
+    B, S, dev, cache, st, tok, pos = cell.B, cell.S, cell.dev, cell.cache, cell.st, cell.tok, cell.pos
+
+    def our(mode, q):
+        st.mode = mode
+        cache.begin_forward(q)
+        model(input_ids=tok[:, :q], position_ids=pos[:, :q], use_cache=True, logits_to_keep=0, **{ck: cache})
+
+    def hf_step():
+        model(input_ids=tok[:, :1], position_ids=pos[:, :1], use_cache=True,
+              attention_mask=torch.ones(B, S + 1, dtype=torch.long, device=dev), **{ck: cell.hf_cache})
+        cell.hf_cache.crop(-1)  # drop the appended token (5.24 API; older: crop(S))
+
+    def select():
+        st.block_indices = cell.sel.select(cell.ctx)
+
+    def draft(dw=None):  # as decode.draft runs a draft step
+        lean = leans.get(dw)
+        if lean is None:
+            return _with(dw.active(), lambda: our("draft", 1)) if dw is not None else our("draft", 1)
+        st.mode = "draft"
+        cache.begin_forward(1)
+        return lean(tok[:, :1], pos[:, :1], st)
+
+    fns = {
+        "hf_step": hf_step,
+        "full_step": lambda: our("verify", 1),
+        "draft_step": draft,
+        "verify": lambda: our("verify", g + 1),
+        "select": select,
+    }
+    for k, dw in dws.items():
+        fns[f"draft_step_{k}"] = (lambda dw: lambda: draft(dw))(dw)
+    ours = ["full_step", "draft_step", *[f"draft_step_{k}" for k in dws], "verify", "select"]
+    if cell.hf_cache is None:
+        del fns["hf_step"]
+    return fns, ours
+
+
+def time_cell(model, cell: Cell, fns: dict, ours: list, dws: dict, reps: int) -> dict:
+    """Best seconds of each forward in ``fns`` over ``reps`` interleaved rounds (after a warm-up
+    round): ours with vegas's attention installed, then HF's step without it."""
+    dev = cell.dev
+    best = {k: float("inf") for k in fns}
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # round 0 warms up (not counted)
+            first = rep == 0
+            with patched(model), _installed(dws):
+                with cell.st.activate():
+                    for k in ours:
+                        sync(dev)
+                        t0 = time.perf_counter()
+                        fns[k]()
+                        sync(dev)
+                        if not first:
+                            best[k] = min(best[k], time.perf_counter() - t0)
+            if "hf_step" in fns:
+                sync(dev)
+                t0 = time.perf_counter()
+                fns["hf_step"]()
+                sync(dev)
+                if not first:
+                    best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
+    return best
+
+
+def profile_cell(model, cell: Cell, fns: dict, ours: list, dws: dict, best: dict) -> dict:
+    """:func:`profile_forward` of each of our forwards but the selection, the fastest of 3 runs (a
+    shared machine), with ``other_net``: the unprofiled best time less attention and linears (the
+    rest without the profiler's own cost per op)."""
+    with torch.inference_mode(), patched(model), cell.st.activate(), _installed(dws):
+        prof = {k: min((profile_forward(fns[k], cell.dev) for _ in range(3)), key=lambda p: p["wall"])
+                for k in ours if k != "select"}
+    for k, p in prof.items():
+        p["other_net"] = round(1e3 * best[k] - p["attention"] - p["linears"], 2)
+    return prof
+
+
+def cell_record(args: argparse.Namespace, model, packed: int, dws: dict, cell: Cell, best: dict) -> dict:
+    """The JSON record of one cell: its configuration, the best times (``<forward>_ms``) and the
+    cost model's predictions (see the module docstring)."""
+    g, dev = args.gamma, cell.dev
+    B, S = cell.B, cell.S
     tau = args.tau if args.tau is not None else 1 + 0.8 * g
+    it = g * best["draft_step"] + best["verify"] + best["select"]
+    hf = best.get("hf_step")
+    return dict(
+        model=args.model_config or "embedded SmolLM2-135M", device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1" if dev.type == "cuda" else None,
+        context=S, batch=B, gamma=g, tau=tau, block_size=args.block_size, ratio=args.ratio,
+        min_tokens=args.min_tokens, threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype),
+        packed_linears=packed,
+        **{f"{k}_ms": round(v * 1e3, 2) for k, v in best.items()},
+        hf_tok_s=round(B / hf, 2) if hf else None, full_tok_s=round(B / best["full_step"], 2),
+        vegas_iteration_ms=round(1e3 * it, 2), full_iteration_ms_same_tokens=round(1e3 * tau * best["full_step"], 2),
+        vegas_tok_s_pred=round(B * tau / it, 2),
+        pred_speedup_vs_full=round(tau * best["full_step"] / it, 2),
+        pred_speedup_vs_hf=round(tau * hf / it, 2) if hf else None,
+        **{f"pred_speedup_vs_full_{k}": round(tau * best["full_step"] / (
+            g * best[f"draft_step_{k}"] + best["verify"] + best["select"]), 2) for k in dws},
+        **{f"draft_weights_{k}_mb": round(dw.nbytes / 1e6, 1) for k, dw in dws.items()},
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model, packed, dws = load(args)
+    leans = lean_drafts(model, dws)
     out_f = open(args.out, "a") if args.out else None
     for B in [int(x) for x in args.batches.split(",")]:
         for S in [int(x) for x in args.contexts.split(",")]:
-            torch.manual_seed(0)
-            cache = VegasCache.for_model(model, B, S + g + 2)
-            dev = cache.layers[0].keys.device
-            for lay in cache.layers:
-                lay.keys.normal_()
-                lay.values.normal_()
-            cache.commit(torch.full((B,), S, dtype=torch.int32, device=dev))
-            st = AttentionState(cache=cache, block_size=args.block_size)
-            L, H = len(cache.layers), cache.layers[0].num_heads
-            nb = -(-cache.max_len // args.block_size)
-            st.block_scores = torch.rand(L, B, H, nb, device=dev)
-            sel = VegasSelection(SelectionConfig(args.ratio, args.min_tokens, None, args.block_size, 1, False))
-            tail = torch.full((B,), S - g - 1, dtype=torch.int32, device=dev)
-            st.tail_start = tail
-            ctx = SelectionContext(st.block_scores, cache.lengths, tail, cache)
-            st.block_indices = sel.select(ctx)
-            hd = cache.layers[0].keys.shape[-1]
-            hf_cache = None
-            if not args.no_hf:
-                hf_cache = DynamicCache(config=cfg)
-                for i in range(L):
-                    hf_cache.update(torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype),
-                                    torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype), i)
-            tok = torch.randint(0, V, (B, g + 1), device=dev)
-            pos = torch.full((B, g + 1), S, device=dev) + torch.arange(g + 1, device=dev)
-
-            def our(mode, q):
-                st.mode = mode
-                cache.begin_forward(q)
-                model(input_ids=tok[:, :q], position_ids=pos[:, :q], use_cache=True, logits_to_keep=0, **{ck: cache})
-
-            def draft(dw=None):  # as decode.draft runs a draft step: the lean forward where it applies
-                lean = leans.get(dw)
-                if lean is None:
-                    return _with(dw.active(), lambda: our("draft", 1)) if dw is not None else our("draft", 1)
-                st.mode = "draft"
-                cache.begin_forward(1)
-                return lean(tok[:, :1], pos[:, :1], st)
-
-            def hf_step():
-                model(input_ids=tok[:, :1], position_ids=pos[:, :1], use_cache=True,
-                      attention_mask=torch.ones(B, S + 1, dtype=torch.long, device=dev), **{ck: hf_cache})
-                hf_cache.crop(-1)  # drop the appended token (5.24 API; older: crop(S))
-
-            def select():
-                st.block_indices = sel.select(ctx)
-
-            fns = {
-                "hf_step": hf_step,
-                "full_step": lambda: our("verify", 1),
-                "draft_step": draft,
-                "verify": lambda: our("verify", g + 1),
-                "select": select,
-            }
-            for k, dw in dws.items():
-                fns[f"draft_step_{k}"] = (lambda dw: lambda: draft(dw))(dw)
-            ours = ["full_step", "draft_step", *[f"draft_step_{k}" for k in dws], "verify", "select"]
-            if args.no_hf:
-                del fns["hf_step"]
-            best = {k: float("inf") for k in fns}
-            with torch.inference_mode():
-                for rep in range(args.reps + 1):  # round 0 warms up (not counted)
-                    first = rep == 0
-                    with patched(model), _installed(dws):
-                        with st.activate():
-                            for k in ours:
-                                sync(dev)
-                                t0 = time.perf_counter()
-                                fns[k]()
-                                sync(dev)
-                                if not first:
-                                    best[k] = min(best[k], time.perf_counter() - t0)
-                    if "hf_step" in fns:
-                        sync(dev)
-                        t0 = time.perf_counter()
-                        hf_step()
-                        sync(dev)
-                        if not first:
-                            best["hf_step"] = min(best["hf_step"], time.perf_counter() - t0)
-            prof = None
-            if args.profile:  # each forward profiled 3 times, the run of least wall time kept (a shared machine)
-                with torch.inference_mode(), patched(model), st.activate(), _installed(dws):
-                    prof = {k: min((profile_forward(fns[k], dev) for _ in range(3)), key=lambda p: p["wall"])
-                            for k in ours if k != "select"}
-                for k, p in prof.items():  # the rest net of the profiler's own per-op cost: unprofiled minimum - kernels
-                    p["other_net"] = round(1e3 * best[k] - p["attention"] - p["linears"], 2)
-            it = g * best["draft_step"] + best["verify"] + best["select"]
-            hf = best.get("hf_step")
-            rec = dict(
-                model=args.model_config or "embedded SmolLM2-135M", device=str(dev),
-                device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1" if dev.type == "cuda" else None,
-                context=S, batch=B, gamma=g, tau=tau, block_size=args.block_size, ratio=args.ratio,
-                min_tokens=args.min_tokens, threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype),
-                packed_linears=packed, lean_draft=bool(leans),
-                **{f"{k}_ms": round(v * 1e3, 2) for k, v in best.items()},
-                hf_tok_s=round(B / hf, 2) if hf else None, full_tok_s=round(B / best["full_step"], 2),
-                vegas_iteration_ms=round(1e3 * it, 2), full_iteration_ms_same_tokens=round(1e3 * tau * best["full_step"], 2),
-                vegas_tok_s_pred=round(B * tau / it, 2),
-                pred_speedup_vs_full=round(tau * best["full_step"] / it, 2),
-                pred_speedup_vs_hf=round(tau * hf / it, 2) if hf else None,
-                **{f"pred_speedup_vs_full_{k}": round(tau * best["full_step"] / (
-                    g * best[f"draft_step_{k}"] + best["verify"] + best["select"]), 2) for k in dws},
-                **{f"draft_weights_{k}_mb": round(dw.nbytes / 1e6, 1) for k, dw in dws.items()},
-            )
+            cell = build_cell(model, args, B, S)
+            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans)
+            best = time_cell(model, cell, fns, ours, dws, args.reps)
+            prof = profile_cell(model, cell, fns, ours, dws, best) if args.profile else None
+            rec = dict(cell_record(args, model, packed, dws, cell, best), lean_draft=bool(leans))
             if prof:
                 rec["profile_ms"] = prof
             print(json.dumps(rec), flush=True)
             if out_f:
                 out_f.write(json.dumps(rec) + "\n")
                 out_f.flush()
-            del cache, hf_cache, st
+            del cell, fns
 
 
 def _with(ctx, fn):

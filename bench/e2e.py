@@ -35,6 +35,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -248,9 +249,25 @@ def _num(x):
 # ------------------------------------------------------------------------------------ main
 
 def parse_args(argv=None):
-    """Command line of the benchmark (see the module docstring)."""
+    """Command line of the benchmark (see the module docstring); a usage error (exit 2) on a bad
+    value (:func:`check_args`)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: what to run (:func:`_add_grid_flags`), then how (:func:`_add_run_flags`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    _add_grid_flags(ap)
+    _add_run_flags(ap)
+    return ap
+
+
+def _add_grid_flags(ap: argparse.ArgumentParser) -> None:
+    """The model, the cells (documents x contexts x batch sizes) and the algorithm configurations."""
     ap.add_argument("--model", default=None, help="model (default: embedded SmolLM2-135M-Instruct GGUF)")
     ap.add_argument("--docs", type=_csv(str), default=_csv(str)(DEFAULT_DOCS),
                     help=f"documents: names from {documents.list_documents()} or paths of UTF-8 text files "
@@ -280,6 +297,11 @@ def parse_args(argv=None):
     ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
     ap.add_argument("--refresh-interval", type=int, default=1,
                     help="selection_refresh_interval: re-select every N iterations (SparseSpec; default 1)")
+
+
+def _add_run_flags(ap: argparse.ArgumentParser) -> None:
+    """How each run goes (prefill reuse, new tokens, dtype, device, threads, repeats) and where the
+    results go."""
     ap.add_argument("--no-reuse-prefill", action="store_true",
                     help="recompute the prefill in every run (default: prefill once per cell, reused by every "
                          "run of the cell, HF included; decode tokens/s is unaffected, e2e tokens/s then is not "
@@ -295,7 +317,11 @@ def parse_args(argv=None):
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--name", default=None, help="results folder name under bench/results (default e2e-<timestamp>)")
     ap.add_argument("--out", default=None, help="results folder (overrides --name)")
-    args = ap.parse_args(argv)
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``ap.error`` (exit 2) on a document that cannot be read, a count below its minimum, an
+    unknown algorithm or algorithm option, or an unknown kind of draft weights."""
     for d in args.docs:
         try:
             document_text(d)
@@ -320,7 +346,6 @@ def parse_args(argv=None):
     for dw in args.draft_weights:
         if dw not in ("none", "fp16", "int8"):
             ap.error(f"--draft-weights must list none, fp16 or int8 (int4 is refused by generate), got {dw!r}")
-    return args
 
 
 def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
@@ -391,15 +416,49 @@ def cfg_label(c: Dict[str, Any]) -> str:
     return f"{name} g{c['num_speculative_tokens']} r{c['sparse_attn_ratio']:g} b{c['block_size']}{dw}"
 
 
-def main(argv=None) -> int:
-    """Runs the benchmark; returns 0."""
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
+@dataclass
+class Harness:
+    """What every cell of one benchmark run shares: the arguments, the loaded model and tokenizer,
+    the environment recorded with each run and the results folder."""
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    args: argparse.Namespace
+    model: Any
+    tok: Any
+    device: torch.device
+    dtype: torch.dtype
+    model_name: str
+    env: Dict[str, Any]
+    out_dir: str
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+
+    @property
+    def runs_path(self) -> str:
+        return os.path.join(self.out_dir, "runs.jsonl")
+
+    def run(self, c: Dict[str, Any], ids, mask, max_new: int, pc: Optional[dict] = None) -> Dict[str, Any]:
+        """One run of configuration ``c`` (:func:`configurations`) on ``ids``: :func:`run_hf` or
+        :func:`run_ours` with the options of ``c`` and the command line."""
+        args = self.args
+        if c["algorithm"] == "hf":
+            return run_hf(self.model, ids, mask, max_new, self.pad_id, prefill_cache=pc)
+        g = c["num_speculative_tokens"] or 0
+        extra = {"sparse_attn_min_tokens": args.min_tokens, "prefill_cache": pc,
+                 "max_speculative_tokens": args.max_speculative_tokens}
+        if c["algorithm"] != "full":
+            extra.update(share_selection_across_heads=c["share_selection_across_heads"],
+                         query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"],
+                         draft_weights=c.get("draft_weights"))
+        return run_ours(self.model, ids, mask, max_new, self.pad_id, c["algorithm"],
+                        g if c["algorithm"] != "full" else 0, c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16,
+                        extra)
+
+
+def setup(args: argparse.Namespace, argv=None) -> Harness:
+    """Threads, device and dtype from ``args``; loads the model; creates the results folder and
+    writes its ``config.json`` (the command line ``argv``, default ``sys.argv``, and the environment)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
@@ -414,127 +473,174 @@ def main(argv=None) -> int:
     model, tok = models.load_model(args.model, dtype=dtype, device=device)
     load_s = time.perf_counter() - t0
     packed = pack_linears(model, args.pack_linears)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     env = environment(device)
     model_name = args.model or "embedded:SmolLM2-135M-Instruct.Q4_1.gguf"
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump({"argv": sys.argv if argv is None else list(argv), "args": vars(args), "model": model_name,
                    "model_load_s": load_s, "model_load": dict(models.last_load_info),
                    "packed_linears": packed, **env}, f, indent=1)
+    return Harness(args, model, tok, device, dtype, model_name, env, out_dir)
 
-    cfgs = configurations(args)
 
-    def run(c, ids, mask, max_new, pc=None):
-        if c["algorithm"] == "hf":
-            return run_hf(model, ids, mask, max_new, pad_id, prefill_cache=pc)
-        g = c["num_speculative_tokens"] or 0
-        extra = {"sparse_attn_min_tokens": args.min_tokens, "prefill_cache": pc,
-                 "max_speculative_tokens": args.max_speculative_tokens}
-        if c["algorithm"] != "full":
-            extra.update(share_selection_across_heads=c["share_selection_across_heads"],
-                         query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"],
-                         draft_weights=c.get("draft_weights"))
-        return run_ours(model, ids, mask, max_new, pad_id, c["algorithm"], g if c["algorithm"] != "full" else 0,
-                        c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16, extra)
+def warm_up(h: Harness, cfgs: List[Dict[str, Any]]) -> None:
+    """One short run of every configuration, so first-call costs (allocator, lazy inits, thread
+    pools) stay out of the numbers."""
+    w_ids, w_mask = build_batch(h.tok, h.args.docs[0], 64, 1, h.args.chat)
+    for c in cfgs:
+        h.run(c, w_ids.to(h.device), w_mask.to(h.device), 4)
 
-    if not args.no_warmup:  # first-call costs (allocator, lazy inits, thread pools) out of the numbers
-        w_ids, w_mask = build_batch(tok, args.docs[0], 64, 1, args.chat)
-        for c in cfgs:
-            run(c, w_ids.to(device), w_mask.to(device), 4)
 
+def run_cells(h: Harness, cfgs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every cell (document x context x batch size), each configuration ``--repeats`` times; each
+    run's record is appended to ``runs.jsonl`` as it comes. Returns the records."""
+    from tqdm.auto import tqdm
+
+    args = h.args
     cells = [(d, ctx, b) for ctx in args.context_lengths for b in args.batch_sizes for d in args.docs]
     total = len(cells) * args.repeats * len(cfgs)
     bar = tqdm(total=total, desc="e2e", unit="run", file=sys.stderr, dynamic_ncols=True)
     records: List[Dict[str, Any]] = []
-    runs_path = os.path.join(out_dir, "runs.jsonl")
-    with open(runs_path, "a") as runs_f:
+    with open(h.runs_path, "a") as runs_f:
         for doc, ctx_req, B in cells:
-            g_max = max(args.max_speculative_tokens if g == "auto" else g for g in args.num_speculative_tokens)
-            ctx = min(ctx_req, max_pos - args.max_new_tokens - g_max - 1)
-            ids, mask = build_batch(tok, doc, ctx, B, args.chat)
-            ids, mask = ids.to(device), mask.to(device)
-            pc: Optional[dict] = None
-            if not args.no_reuse_prefill:  # one prefill per cell (the longest, gamma 0), reused by every run
-                pc = {}
-                bar.set_postfix_str(f"{doc} ctx={ctx} B={B} prefill")
-                t_pf = time.perf_counter()
-                run_ours(model, ids, mask, 1, pad_id, "full", 0, 0.05, 16, {"prefill_cache": pc})
-                t_pf = time.perf_counter() - t_pf
-            for rep in range(args.repeats):
-                # rotate the order every repeat so no configuration always runs first / last
-                order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]
-                results = {}
-                for c in order:
-                    bar.set_postfix_str(f"{doc} ctx={ctx} B={B} {cfg_label(c)}")
-                    results[cfg_label(c)] = (c, run(c, ids, mask, args.max_new_tokens, pc))
-                    bar.update(1)
-                ref = results.get("full") or results.get("hf")
-                full_it = _iter_time(results.get("full"))
-                for label, (c, r) in results.items():
-                    s = r["stats"]
-                    rec = {
-                        "doc": doc, "context_requested": ctx_req, "context": ctx, "batch_size": B,
-                        "repeat": rep, "label": label, **c,
-                        "max_new_tokens": args.max_new_tokens, "dtype": str(dtype).replace("torch.", ""),
-                        "model": model_name, "chat": args.chat,
-                        "sparse_attn_min_tokens": args.min_tokens if c["algorithm"] not in ("hf", "full") else None,
-                        "mean_acceptance_length": s.get("mean_acceptance_length"),
-                        "draft_acceptance_rate": s.get("draft_acceptance_rate"),
-                        "num_accepted_tokens_per_pos": _num(s.get("num_accepted_tokens_per_pos")),
-                        "num_drafts": s.get("num_drafts"), "num_draft_tokens": s.get("num_draft_tokens"),
-                        "num_accepted_tokens": s.get("num_accepted_tokens"),
-                        "num_generated_tokens": s.get("num_generated_tokens"),
-                        "num_iterations": s.get("num_iterations"),
-                        "tokens_per_s": s.get("tokens_per_s"),
-                        "decode_tokens_per_s": s.get("decode_tokens_per_s"),
-                        "time_total_s": s.get("time_total_s"), "time_prefill_s": s.get("time_prefill_s"),
-                        "time_draft_s": s.get("time_draft_s"), "time_verify_s": s.get("time_verify_s"),
-                        "time_select_s": s.get("time_select_s"),
-                        "ms_per_iteration": (1000 * (s["time_total_s"] - (s.get("time_prefill_s") or 0)) / s["num_iterations"]
-                                             if s.get("num_iterations") else None),
-                        "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
-                        "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),
-                        "identical_to_hf": (r["tokens"] == results["hf"][1]["tokens"]) if "hf" in results else None,
-                        "prefill_reused": s.get("prefill_reused"),
-                        "draft_weights_bytes": s.get("draft_weights_bytes"),
-                        "cell_prefill_s": t_pf if pc is not None else None,
-                        "time_select_inline_s": s.get("time_select_inline_s"),
-                        "time_select_prefill_s": s.get("time_select_prefill_s"),
-                        # the gamma policy's choices and (auto) its estimates; fitted costs as fitted_*
-                        **{("fitted_" + k if k.startswith("cost_") else k): s.get(k)
-                           for k in ("gamma_policy", "gamma_histogram", "gamma_per_iteration", "acceptance_estimates",
-                                     "cost_t_plain_ms", "cost_t_draft_ms", "cost_t_select_ms", "cost_t_verify_c0_ms",
-                                     "cost_t_verify_c1_ms", "num_probes")
-                           if k in s and c["algorithm"] not in ("hf", "full")},
-                        **cost_model(s, c, full_it),
-                        **env,
-                    }
-                    for base in ("full", "hf"):
-                        b = results.get(base)
-                        bd = b[1]["stats"].get("decode_tokens_per_s") if b else None
-                        be = b[1]["stats"].get("tokens_per_s") if b else None
-                        rec[f"speedup_vs_{base}"] = (s["decode_tokens_per_s"] / bd) if bd and s.get("decode_tokens_per_s") else None
-                        rec[f"e2e_speedup_vs_{base}"] = (s["tokens_per_s"] / be) if be and s.get("tokens_per_s") else None
-                    records.append(rec)
-                    runs_f.write(json.dumps(rec) + "\n")
+            for recs in run_cell(h, cfgs, doc, ctx_req, B, bar):
+                records += recs
+                runs_f.writelines(json.dumps(rec) + "\n" for rec in recs)
                 runs_f.flush()
     bar.close()
+    return records
 
+
+def run_cell(h: Harness, cfgs: List[Dict[str, Any]], doc: str, ctx_req: int, B: int, bar):
+    """Yields, for each repeat of the cell, the records of its runs (:func:`run_records`). The
+    context is clamped so prompt + new tokens + the largest gamma fit the model's positions; unless
+    ``--no-reuse-prefill``, one prefill (the longest, gamma 0) is computed first and reused by every run."""
+    args = h.args
+    max_pos = int(getattr(h.model.config, "max_position_embeddings", 1 << 30))
+    g_max = max(args.max_speculative_tokens if g == "auto" else g for g in args.num_speculative_tokens)
+    ctx = min(ctx_req, max_pos - args.max_new_tokens - g_max - 1)
+    ids, mask = build_batch(h.tok, doc, ctx, B, args.chat)
+    ids, mask = ids.to(h.device), mask.to(h.device)
+    pc: Optional[dict] = None
+    t_pf = None
+    if not args.no_reuse_prefill:
+        pc = {}
+        bar.set_postfix_str(f"{doc} ctx={ctx} B={B} prefill")
+        t_pf = time.perf_counter()
+        run_ours(h.model, ids, mask, 1, h.pad_id, "full", 0, 0.05, 16, {"prefill_cache": pc})
+        t_pf = time.perf_counter() - t_pf
+    cell = {"doc": doc, "context_requested": ctx_req, "context": ctx, "batch_size": B}
+    for rep in range(args.repeats):
+        # rotate the order every repeat so no configuration always runs first / last
+        order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]
+        results = {}
+        for c in order:
+            bar.set_postfix_str(f"{doc} ctx={ctx} B={B} {cfg_label(c)}")
+            results[cfg_label(c)] = (c, h.run(c, ids, mask, args.max_new_tokens, pc))
+            bar.update(1)
+        yield run_records(h, {**cell, "repeat": rep}, results, t_pf)
+
+
+def run_records(h: Harness, cell: Dict[str, Any], results: Dict[str, Any], cell_prefill_s: Optional[float]):
+    """The ``runs.jsonl`` records of one repeat of a cell: ``results`` maps each configuration's
+    label to ``(configuration, result)``; ``cell`` holds the doc, contexts, batch size and repeat;
+    ``cell_prefill_s`` the shared prefill's seconds (None without one)."""
+    ref = results.get("full") or results.get("hf")
+    full_it = _iter_time(results.get("full"))
+    records = []
+    for label, (c, r) in results.items():
+        s = r["stats"]
+        drafting = c["algorithm"] not in ("hf", "full")
+        rec = {
+            **cell, "label": label, **c,
+            "max_new_tokens": h.args.max_new_tokens, "dtype": str(h.dtype).replace("torch.", ""),
+            "model": h.model_name, "chat": h.args.chat,
+            "sparse_attn_min_tokens": h.args.min_tokens if drafting else None,
+            **_stat_fields(s),
+            "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
+            "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),
+            "identical_to_hf": (r["tokens"] == results["hf"][1]["tokens"]) if "hf" in results else None,
+            "prefill_reused": s.get("prefill_reused"),
+            "draft_weights_bytes": s.get("draft_weights_bytes"),
+            "cell_prefill_s": cell_prefill_s,
+            "time_select_inline_s": s.get("time_select_inline_s"),
+            "time_select_prefill_s": s.get("time_select_prefill_s"),
+            # the gamma policy's choices and (auto) its estimates; fitted costs as fitted_*
+            **{("fitted_" + k if k.startswith("cost_") else k): s.get(k)
+               for k in _POLICY_FIELDS if k in s and drafting},
+            **cost_model(s, c, full_it),
+            **h.env,
+        }
+        for base in ("full", "hf"):
+            b = results.get(base)
+            bd = b[1]["stats"].get("decode_tokens_per_s") if b else None
+            be = b[1]["stats"].get("tokens_per_s") if b else None
+            rec[f"speedup_vs_{base}"] = (s["decode_tokens_per_s"] / bd) if bd and s.get("decode_tokens_per_s") else None
+            rec[f"e2e_speedup_vs_{base}"] = (s["tokens_per_s"] / be) if be and s.get("tokens_per_s") else None
+        records.append(rec)
+    return records
+
+
+#: the gamma policy's statistics copied into each record of a drafting run
+_POLICY_FIELDS = ("gamma_policy", "gamma_histogram", "gamma_per_iteration", "acceptance_estimates",
+                  "cost_t_plain_ms", "cost_t_draft_ms", "cost_t_select_ms", "cost_t_verify_c0_ms",
+                  "cost_t_verify_c1_ms", "num_probes")
+
+
+def _stat_fields(s: Dict[str, Any]) -> Dict[str, Any]:
+    """A run's acceptance counters and times (``s``: its ``stats``) as recorded in ``runs.jsonl``."""
+    return {
+        "mean_acceptance_length": s.get("mean_acceptance_length"),
+        "draft_acceptance_rate": s.get("draft_acceptance_rate"),
+        "num_accepted_tokens_per_pos": _num(s.get("num_accepted_tokens_per_pos")),
+        "num_drafts": s.get("num_drafts"), "num_draft_tokens": s.get("num_draft_tokens"),
+        "num_accepted_tokens": s.get("num_accepted_tokens"),
+        "num_generated_tokens": s.get("num_generated_tokens"),
+        "num_iterations": s.get("num_iterations"),
+        "tokens_per_s": s.get("tokens_per_s"),
+        "decode_tokens_per_s": s.get("decode_tokens_per_s"),
+        "time_total_s": s.get("time_total_s"), "time_prefill_s": s.get("time_prefill_s"),
+        "time_draft_s": s.get("time_draft_s"), "time_verify_s": s.get("time_verify_s"),
+        "time_select_s": s.get("time_select_s"),
+        "ms_per_iteration": (1000 * (s["time_total_s"] - (s.get("time_prefill_s") or 0)) / s["num_iterations"]
+                             if s.get("num_iterations") else None),
+    }
+
+
+def write_report(h: Harness, records: List[Dict[str, Any]], argv=None) -> None:
+    """Writes ``summary.md`` (:func:`summary_markdown`) and, unless ``--no-plots``, the PNG plots;
+    prints the summary on stdout and the file names on stderr."""
+    args = h.args
     cmd = "python -m bench.e2e " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-    md = summary_markdown(records, args, env, model_name, cmd)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    md = summary_markdown(records, args, h.env, h.model_name, cmd)
+    with open(os.path.join(h.out_dir, "summary.md"), "w") as f:
         f.write(md)
     if not args.no_plots:
         try:
             from bench import plots
 
-            for pth in plots.write_plots(records, out_dir):
+            for pth in plots.write_plots(records, h.out_dir):
                 print(f"plot: {pth}", file=sys.stderr)
         except ImportError as e:  # matplotlib missing: numbers still written
             print(f"plots skipped: {e}", file=sys.stderr)
     print(md)
-    print(f"results: {runs_path}, {os.path.join(out_dir, 'summary.md')}", file=sys.stderr)
+    print(f"results: {h.runs_path}, {os.path.join(h.out_dir, 'summary.md')}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    """Runs the benchmark: parse the command line, load the model, warm up, run every cell, write
+    the report; returns 0."""
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    h = setup(args, argv)
+    cfgs = configurations(args)
+    if not args.no_warmup:
+        warm_up(h, cfgs)
+    records = run_cells(h, cfgs)
+    write_report(h, records, argv)
     return 0
 
 

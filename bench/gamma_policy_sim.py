@@ -9,7 +9,7 @@ fixed-gamma rows (a least-squares line through them) -- and simulates decoding w
 policy classes of ``vegas_ext.speculation``: every timing multiplied by a Gaussian noise factor,
 each draft accepted with probability ``p`` given that the ones before it were (several ``p``),
 rows stopping at ``--new-tokens``; a speculative iteration after plain steps is preceded by a
-plain step that scores the KV blocks, as in ``vegas_ext.decode.step``. Reported: each policy's
+plain step that scores the KV blocks, as in ``vegas_ext.decode.advance``. Reported: each policy's
 decode rate relative to ``full`` (plain decoding) and to the best fixed gamma of the cell,
 medians over seeds.
 
@@ -136,7 +136,9 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
     return batch * n_new / elapsed
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``); a usage error (exit 2) on ``--variant``
+    keywords that ``AutoGamma`` refuses, before the replay."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default=os.path.join(HERE, "results", "gamma_xeon_avx512", "kjv_256tok_b4", "runs.jsonl"))
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -153,15 +155,28 @@ def main():
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help='AutoGamma keyword arguments of a second auto policy, reported beside the default, '
                          'e.g. \'{"max_probe_interval": 16}\'')
-    args = ap.parse_args()
-    policies = {"full": lambda: FixedGamma(0), "auto": lambda: AutoGamma(args.max_speculative_tokens)}
+    args = ap.parse_args(argv)
     if args.variant is not None:
         try:  # bad keywords fail here, before the replay
             AutoGamma(args.max_speculative_tokens, **args.variant)
         except (TypeError, ValueError) as e:
             ap.error(f"--variant: {e}")
+    return args
+
+
+def make_policies(args: argparse.Namespace) -> dict:
+    """Name -> a factory of a fresh policy: ``full``, ``auto``, ``variant`` (with ``--variant``) and
+    ``gamma <g>`` for every ``--fixed`` g."""
+    policies = {"full": lambda: FixedGamma(0), "auto": lambda: AutoGamma(args.max_speculative_tokens)}
+    if args.variant is not None:
         policies["variant"] = lambda: AutoGamma(args.max_speculative_tokens, **args.variant)
     policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
+    return policies
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    policies = make_policies(args)
     var = args.variant is not None
     print("| context | batch | p | best fixed | auto / full | auto / best |"
           + (" variant / full | variant / best |" if var else "")

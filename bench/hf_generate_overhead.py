@@ -56,7 +56,8 @@ def hf_path_cost(model, ids, mask, pad, new, opts, repeats: int = 20) -> float:
     return statistics.median(times[2:])
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
@@ -67,7 +68,46 @@ def main():
     ap.add_argument("--prep-only", action="store_true", help="only the HF path's cost outside the loop (fast)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hf_generate_overhead.jsonl"))
     add_pack_linears_flag(ap)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def cell_paths(model, ids, mask, pad, new: int, opts: dict):
+    """``(direct, via_hf)``: the two ways to decode ``new`` tokens after ``ids``, each returning the
+    sequences; they share one ``prefill_cache``, filled by whichever runs first."""
+    pc: dict = {}
+
+    def direct():
+        with torch.inference_mode():
+            return vegas_ext.generate(model, ids, mask, max_new_tokens=new, pad_token_id=pad,
+                                      prefill_cache=pc, **opts).sequences
+
+    def via_hf():
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                  do_sample=False, pad_token_id=pad, custom_generate=hf.generate,
+                                  prefill_cache=pc, **opts)
+
+    return direct, via_hf
+
+
+def time_paths(direct, via_hf, repeats: int):
+    """``(identical, times)``: whether the warm-up runs of both paths gave the same sequences, and
+    the seconds of each of ``repeats`` interleaved timed runs per path (``{"direct": [...], "hf": [...]}``)."""
+    a, b = direct(), via_hf()  # warm-up (fills the prefill cache)
+    same = bool(torch.equal(a, b))
+    t = {"direct": [], "hf": []}
+    for _ in range(repeats):
+        for name, fn in (("direct", direct), ("hf", via_hf)):
+            sync("cpu")
+            t0 = time.perf_counter()
+            fn()
+            sync("cpu")
+            t[name].append(time.perf_counter() - t0)
+    return same, t
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -82,36 +122,14 @@ def main():
             rows = [documents.make_prompt_ids(tok, names[b % len(names)], ctx) for b in range(B)]
             ids = torch.tensor(rows, dtype=torch.long)
             mask = torch.ones_like(ids)
-            pc: dict = {}
             pad = tok.pad_token_id  # EOS ids: the model's generation config on both paths
-
-            def direct(ids=ids, mask=mask, pad=pad, pc=pc):
-                with torch.inference_mode():
-                    return vegas_ext.generate(model, ids, mask, max_new_tokens=args.new, pad_token_id=pad,
-                                              prefill_cache=pc, **opts).sequences
-
-            def via_hf(ids=ids, mask=mask, pad=pad, pc=pc):
-                with torch.inference_mode():
-                    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new,
-                                          do_sample=False, pad_token_id=pad, custom_generate=hf.generate,
-                                          prefill_cache=pc, **opts)
-
             prep = hf_path_cost(model, ids, mask, pad, args.new, opts)
             print(json.dumps({"context": ctx, "batch": B, "hf_path_cost_ms": prep * 1e3}), flush=True)
             if args.prep_only:
                 rows_out.append({"context": ctx, "batch": B, "hf_path_cost_ms": prep * 1e3, **meta})
                 write_rows(Path(args.out), rows_out)
                 continue
-            a, b = direct(), via_hf()  # warm-up (fills the prefill cache)
-            same = bool(torch.equal(a, b))
-            t = {"direct": [], "hf": []}
-            for _ in range(args.repeats):
-                for name, fn in (("direct", direct), ("hf", via_hf)):
-                    sync("cpu")
-                    t0 = time.perf_counter()
-                    fn()
-                    sync("cpu")
-                    t[name].append(time.perf_counter() - t0)
+            same, t = time_paths(*cell_paths(model, ids, mask, pad, args.new, opts), args.repeats)
             md, mh = statistics.median(t["direct"]), statistics.median(t["hf"])
             row = {"context": ctx, "batch": B, "new_tokens": args.new, "gamma": args.gamma, "dtype": "float32",
                    "threads": torch.get_num_threads(), "packed_linears": packed, "identical": same,

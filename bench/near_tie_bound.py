@@ -149,7 +149,8 @@ def near_tied_lm_head(m, noise=5e-5, seed=1):
         w.copy_(w[0:1].expand_as(w) * 50 + noise * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)))
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``): which grids to run (see the module docstring)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm", action="store_true", help="also the embedded SmolLM2-135M (slow)")
     ap.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True)
@@ -159,107 +160,153 @@ def main():
     ap.add_argument("--audit-tests", action="store_true",
                     help="smallest top-2 margins of the HF references of tests that assert exact equality")
     ap.add_argument("--json")
-    args = ap.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return ap.parse_args(argv)
+
+
+def format_result(res: dict) -> str:
+    """The printed lines of one :func:`measure` result: its largest spread, then one line per first difference."""
+    w = res["worst"]
+    return (f"{res['label']:<48} pos {res['positions']:4d}  spread {w['spread']:.3g} = {w['spread_ulps']:.1f} ulp"
+            f"(scale {w['scale']:.3g})  rel {res['worst_rel']:.2f} eps|h||w|  diffs {len(res['diffs'])}"
+            + "".join(f"\n    diff r{d['row']} p{d['pos']}: gap {d['gap']:.3g} = {d['ulps_at_pair']:.1f} ulp(pair) "
+                      f"= {d['ulps_at_scale']:.1f} ulp(scale) = {d['rel']:.3f} eps|h||w|"
+                      for d in res["diffs"]))
+
+
+# Each *_cells generator yields the arguments of :func:`measure`, building each model only when
+# its turn comes (a packed model is changed by its measurement).
+
+def wide_cells():
+    """``--wide``: both families x 2 inits x 2 and 6 layers x 3 seeds x gamma 2, 5; then case 009's
+    near-tied lm_head (noise 2e-6) under a dense draft, 6 prompts."""
     from decode_utils import FAMILIES, make_model, make_prompts
 
-    results = []
+    for fam in FAMILIES:
+        for init in (0.02, 0.15):
+            for layers in (2, 6):
+                for seed in range(3):
+                    for g in (2, 5):
+                        m = make_model(fam, seed=10 + seed, initializer_range=init, num_hidden_layers=layers)
+                        ids, mask = make_prompts(m.config.vocab_size, [400, 64, 200], seed=seed)
+                        kw = dict(num_speculative_tokens=g, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
+                        yield m, ids, mask, 16, kw, torch.float32, f"{fam} init {init} L{layers} s{seed} g{g}"
+    for s_ in range(6):
+        m = make_model("llama", seed=0)
+        near_tied_lm_head(m, 2e-6)
+        ids, mask = make_prompts(256, [80, 60], seed=s_)
+        yield m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32, f"case009 dense seed {s_}"
 
-    def show(res):
-        w = res["worst"]
-        print(f"{res['label']:<48} pos {res['positions']:4d}  spread {w['spread']:.3g} = {w['spread_ulps']:.1f} ulp"
-              f"(scale {w['scale']:.3g})  rel {res['worst_rel']:.2f} eps|h||w|  diffs {len(res['diffs'])}"
-              + "".join(f"\n    diff r{d['row']} p{d['pos']}: gap {d['gap']:.3g} = {d['ulps_at_pair']:.1f} ulp(pair) "
-                        f"= {d['ulps_at_scale']:.1f} ulp(scale) = {d['rel']:.3f} eps|h||w|"
-                        for d in res["diffs"]), flush=True)
-        results.append(res)
 
-    if args.wide:
-        for fam in FAMILIES:
+def wide_half_cells():
+    """``--wide-half``: both families in bfloat16 and float16 x 2 inits x 2 and 6 layers x 2 seeds."""
+    from decode_utils import FAMILIES, make_model, make_prompts
+
+    for fam in FAMILIES:
+        for dt in (torch.bfloat16, torch.float16):
             for init in (0.02, 0.15):
                 for layers in (2, 6):
-                    for seed in range(3):
-                        for g in (2, 5):
-                            m = make_model(fam, seed=10 + seed, initializer_range=init, num_hidden_layers=layers)
-                            ids, mask = make_prompts(m.config.vocab_size, [400, 64, 200], seed=seed)
-                            kw = dict(num_speculative_tokens=g, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
-                            show(measure(m, ids, mask, 16, kw, torch.float32,
-                                         f"{fam} init {init} L{layers} s{seed} g{g}"))
-        for s_ in range(6):
+                    for seed in range(2):
+                        m = make_model(fam, seed=10 + seed, initializer_range=init, num_hidden_layers=layers).to(dt)
+                        ids, mask = make_prompts(m.config.vocab_size, [400, 64, 200], seed=seed)
+                        kw = dict(num_speculative_tokens=4, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
+                        yield m, ids, mask, 16, kw, dt, f"{fam} {dt} init {init} L{layers} s{seed}"
+
+
+def tiny_cells():
+    """The default grid: both families x 2 inits x gamma 1, 4, 8 (gamma 4 also packed); case 009's
+    near-tied lm_head, 12 prompts (3 also packed); both families in bfloat16 and float16."""
+    from decode_utils import FAMILIES, make_model, make_prompts
+
+    for fam in FAMILIES:
+        for init in (0.02, 0.15):
+            for g in (1, 4, 8):
+                for pack in ((False, True) if g == 4 else (False,)):
+                    m = make_model(fam, seed=3, initializer_range=init)
+                    V = m.config.vocab_size
+                    ids, mask = make_prompts(V, [300, 120, 37], seed=g)
+                    kw = dict(num_speculative_tokens=g, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
+                    label = f"{fam} init {init} g{g}{' packed' if pack else ''}"
+                    yield m, ids, mask, 24, kw, torch.float32, label, pack
+    for s in range(12):
+        for pack in ((False, True) if s < 3 else (False,)):
             m = make_model("llama", seed=0)
-            near_tied_lm_head(m, 2e-6)
-            ids, mask = make_prompts(256, [80, 60], seed=s_)
-            show(measure(m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32, f"case009 dense seed {s_}"))
-    if args.audit_tests:
-        import test_cli
-        from decode_utils import cached_model
+            near_tied_lm_head(m)
+            ids, mask = make_prompts(256, [80, 60], seed=s)
+            yield (m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32,
+                   f"case009 seed {s}{' packed' if pack else ''}", pack)
+    for fam in FAMILIES:
+        for dt in (torch.bfloat16, torch.float16):
+            m = make_model(fam, seed=3, initializer_range=0.15).to(dt)
+            ids, mask = make_prompts(m.config.vocab_size, [200, 90], seed=5)
+            yield m, ids, mask, 24, dict(num_speculative_tokens=4, sparse_attn_ratio=0.1,
+                                         sparse_attn_min_tokens=16), dt, f"{fam} {dt}"
 
-        for fam in FAMILIES:
-            for batch, lengths in ((1, [300]), (3, [300, 217, 281])):
-                m = cached_model(fam)
-                ids, mask = make_prompts(m.config.vocab_size, lengths, seed=batch)
-                print(f"test_decode _case({fam}, {batch}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}",
-                      flush=True)
-            m = make_model(fam)  # test_packed_linear.test_packed_model_decodes_losslessly
-            ids, mask = make_prompts(m.config.vocab_size, [40, 57, 23])
-            print(f"test_packed_linear ({fam}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
-        import tempfile
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+def smollm_cells(prompt_len: int):
+    """``--smollm``: the embedded SmolLM2 on the first ``prompt_len`` tokens of the default document,
+    float32, float32 packed and bfloat16."""
+    from vegas_ext import documents, models
 
-        for i, c in enumerate(test_cli.CONTRACT_CONFIGS):
-            folder = test_cli._tiny_llama(tempfile.mkdtemp(), *c)
-            tok = AutoTokenizer.from_pretrained(folder)
-            prompt = " ".join(test_cli.WORDS[(7 * k) % len(test_cli.WORDS)] for k in range(180))
-            ids = torch.tensor([tok(prompt).input_ids])
-            m = AutoModelForCausalLM.from_pretrained(folder).eval()
-            print(f"test_cli contract {i}: min top-2 margin {top2_margin(m, ids, torch.ones_like(ids), 24):.1f}",
+    for pack, dt in ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16)):
+        m, tok = models.load_model(None, dtype=dt)
+        doc = documents.default_document()
+        text = doc if isinstance(doc, str) else "The quick brown fox jumps over the lazy dog. " * 40
+        ids = torch.tensor([tok(text).input_ids[:prompt_len]])
+        mask = torch.ones_like(ids)
+        yield (m, ids, mask, 32, dict(num_speculative_tokens=4, sparse_attn_ratio=0.1), dt,
+               f"smollm2 {dt}{' packed' if pack else ''}", pack)
+
+
+def audit_tests() -> None:
+    """``--audit-tests``: prints the smallest top-2 margin (:func:`top2_margin`) of the HF references
+    of test_decode, test_packed_linear and test_cli's contract configurations."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import test_cli
+    from decode_utils import FAMILIES, cached_model, make_model, make_prompts
+
+    for fam in FAMILIES:
+        for batch, lengths in ((1, [300]), (3, [300, 217, 281])):
+            m = cached_model(fam)
+            ids, mask = make_prompts(m.config.vocab_size, lengths, seed=batch)
+            print(f"test_decode _case({fam}, {batch}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}",
                   flush=True)
-    if args.wide_half:
-        for fam in FAMILIES:
-            for dt in (torch.bfloat16, torch.float16):
-                for init in (0.02, 0.15):
-                    for layers in (2, 6):
-                        for seed in range(2):
-                            m = make_model(fam, seed=10 + seed, initializer_range=init, num_hidden_layers=layers).to(dt)
-                            ids, mask = make_prompts(m.config.vocab_size, [400, 64, 200], seed=seed)
-                            kw = dict(num_speculative_tokens=4, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
-                            show(measure(m, ids, mask, 16, kw, dt, f"{fam} {dt} init {init} L{layers} s{seed}"))
-    if args.tiny and not args.wide and not args.wide_half:
-        for fam in FAMILIES:
-            for init in (0.02, 0.15):
-                for g in (1, 4, 8):
-                    for pack in ((False, True) if g == 4 else (False,)):
-                        m = make_model(fam, seed=3, initializer_range=init)
-                        V = m.config.vocab_size
-                        ids, mask = make_prompts(V, [300, 120, 37], seed=g)
-                        kw = dict(num_speculative_tokens=g, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16)
-                        show(measure(m, ids, mask, 24, kw, torch.float32,
-                                     f"{fam} init {init} g{g}{' packed' if pack else ''}", pack))
-        for s in range(12):
-            for pack in ((False, True) if s < 3 else (False,)):
-                m = make_model("llama", seed=0)
-                near_tied_lm_head(m)
-                ids, mask = make_prompts(256, [80, 60], seed=s)
-                show(measure(m, ids, mask, 24, dict(num_speculative_tokens=4), torch.float32,
-                             f"case009 seed {s}{' packed' if pack else ''}", pack))
-        for fam in FAMILIES:
-            for dt in (torch.bfloat16, torch.float16):
-                m = make_model(fam, seed=3, initializer_range=0.15).to(dt)
-                ids, mask = make_prompts(m.config.vocab_size, [200, 90], seed=5)
-                show(measure(m, ids, mask, 24, dict(num_speculative_tokens=4, sparse_attn_ratio=0.1,
-                                                    sparse_attn_min_tokens=16), dt, f"{fam} {dt}"))
-    if args.smollm:
-        from vegas_ext import documents, models
+        m = make_model(fam)  # test_packed_linear.test_packed_model_decodes_losslessly
+        ids, mask = make_prompts(m.config.vocab_size, [40, 57, 23])
+        print(f"test_packed_linear ({fam}): min top-2 margin {top2_margin(m, ids, mask, 24):.1f}", flush=True)
+    for i, c in enumerate(test_cli.CONTRACT_CONFIGS):
+        folder = test_cli._tiny_llama(tempfile.mkdtemp(), *c)
+        tok = AutoTokenizer.from_pretrained(folder)
+        prompt = " ".join(test_cli.WORDS[(7 * k) % len(test_cli.WORDS)] for k in range(180))
+        ids = torch.tensor([tok(prompt).input_ids])
+        m = AutoModelForCausalLM.from_pretrained(folder).eval()
+        print(f"test_cli contract {i}: min top-2 margin {top2_margin(m, ids, torch.ones_like(ids), 24):.1f}",
+              flush=True)
 
-        for pack, dt in ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16)):
-            m, tok = models.load_model(None, dtype=dt)
-            doc = documents.default_document()
-            text = doc if isinstance(doc, str) else "The quick brown fox jumps over the lazy dog. " * 40
-            ids = torch.tensor([tok(text).input_ids[:args.smollm_len]])
-            mask = torch.ones_like(ids)
-            show(measure(m, ids, mask, 32, dict(num_speculative_tokens=4, sparse_attn_ratio=0.1), dt,
-                         f"smollm2 {dt}{' packed' if pack else ''}", pack))
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    results = []
+
+    def run(cells):
+        for cell in cells:
+            res = measure(*cell)
+            print(format_result(res), flush=True)
+            results.append(res)
+
+    if args.wide:
+        run(wide_cells())
+    if args.audit_tests:
+        audit_tests()
+    if args.wide_half:
+        run(wide_half_cells())
+    if args.tiny and not args.wide and not args.wide_half:
+        run(tiny_cells())
+    if args.smollm:
+        run(smollm_cells(args.smollm_len))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -132,7 +132,9 @@ def summarize(rows, cfg):
     return head + "\n".join(lines) + "\n"
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``); ``--method`` / ``--worker-out`` (hidden)
+    make the process one method's worker."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
@@ -148,13 +150,12 @@ def main():
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.method:
-        return worker(args)
-    os.makedirs(args.out, exist_ok=True)
-    runs = os.path.join(args.out, "runs.jsonl")
-    if os.path.exists(runs):
-        os.remove(runs)
+    return p.parse_args(argv)
+
+
+def write_config(args: argparse.Namespace) -> dict:
+    """Writes ``config.json`` into ``--out`` (the arguments, vLLM's version, the commit, the device
+    and the start time) and returns it."""
     import vllm
 
     commit = commit_label()
@@ -166,19 +167,37 @@ def main():
                threads=f"{os.cpu_count()} cores", started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
+    return cfg
+
+
+def run_method(args: argparse.Namespace, m: str, runs: str) -> None:
+    """Runs method ``m`` over every cell in a worker process of its own (vLLM's plugins are chosen at
+    start-up: none for ``none`` / ``ngram``), appending its rows to ``runs``."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
+    if m in ("none", "ngram"):
+        env["VLLM_PLUGINS"] = ""
+    cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
+           "--contexts", *map(str, args.contexts),
+           "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
+           "--ratio", str(args.ratio), "--min-tokens", str(args.min_tokens), "--block-size", str(args.block_size),
+           "--dtype", args.dtype]
+    if args.model:
+        cmd += ["--model", args.model]
+    subprocess.run(cmd, env=env, check=True, cwd=ROOT)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.method:
+        return worker(args)
+    os.makedirs(args.out, exist_ok=True)
+    runs = os.path.join(args.out, "runs.jsonl")
+    if os.path.exists(runs):
+        os.remove(runs)
+    cfg = write_config(args)
     for m in args.methods:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
-        if m in ("none", "ngram"):
-            env["VLLM_PLUGINS"] = ""
-        cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
-               "--contexts", *map(str, args.contexts),
-               "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
-               "--ratio", str(args.ratio), "--min-tokens", str(args.min_tokens), "--block-size", str(args.block_size),
-               "--dtype", args.dtype]
-        if args.model:
-            cmd += ["--model", args.model]
-        subprocess.run(cmd, env=env, check=True, cwd=ROOT)
+        run_method(args, m, runs)
     with open(runs) as f:
         rows = [json.loads(line) for line in f]
     text = summarize(rows, cfg)

@@ -4,9 +4,12 @@ benchmarks of the CPU attention loop (bench/cpu_attend_microbench.cpp,
 bench/cpu_microkernel_rates.cpp), which build against the current kernel headers. None of them is
 part of the extension, so nothing else would notice when a change breaks them. Timings are not
 checked (performance lives in bench/, not in tests); results and recorded fields are."""
+import argparse
 import ast
+import importlib.util
 import json
 import os
+import pathlib
 import platform
 import re
 import shutil
@@ -74,6 +77,18 @@ def test_kernel_grid_has_no_second_tree():
         bench_kernels_cpu.parse_args(["--grid", "--old-tree", "/tmp"])
     assert bench_kernels_cpu.parse_args(["--grid"]).grid
 
+
+
+def test_bench_functions_stay_short():
+    """bench/'s scripts read as named steps (parse args, build the cells, run one cell, report): no
+    function of bench/*.py spans more than 60 lines (scripts/longest_functions.py counts them)."""
+    spec = importlib.util.spec_from_file_location("longest_functions", os.path.join(ROOT, "scripts",
+                                                                                     "longest_functions.py"))
+    lf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lf)
+    found = [f for path in sorted(pathlib.Path(ROOT, "bench").glob("*.py")) for f in lf.functions(path)]
+    assert len(found) > 100  # every script was parsed
+    assert [os.path.relpath(where, ROOT) for lines, _code, where in found if lines > 60] == []
 
 # ------------------------------------------------------------------ the reporter, on committed runs
 
@@ -190,6 +205,44 @@ def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, 
     assert f"{want:.2f}" == row.split("|")[5].strip()
     assert "identical to our plain decoding in" in text and "## Every run" in text
 
+
+def test_e2e_run_records_compare_each_run_with_the_same_repeats_baselines():
+    """run_records (one repeat of a cell) on made-up results: the identity flags and speedups against
+    that repeat's ``full`` and ``hf`` runs, the gamma policy's fields (cost_* as fitted_*) only on
+    drafting runs, and the record's leading keys in runs.jsonl's order."""
+    args = argparse.Namespace(max_new_tokens=4, chat=False, min_tokens=16)
+    h = e2e.Harness(args, None, None, torch.device("cpu"), torch.float32, "m", {"torch": "t"}, "/nonexistent")
+
+    def result(tokens, dec, e2e_, **more):
+        stats = dict(decode_tokens_per_s=dec, tokens_per_s=e2e_, time_total_s=2.0, time_prefill_s=0.5,
+                     num_iterations=3, **more)
+        return {"tokens": tokens, "stats": stats}
+
+    base = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
+            "selection_refresh_interval": None}
+    full = {"algorithm": "full", "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None, **base}
+    veg = {"algorithm": "vegas", "num_speculative_tokens": 3, "sparse_attn_ratio": 0.05, "block_size": 1, **base,
+           "draft_weights": None}
+    results = {"hf": ({**full, "algorithm": "hf"}, result([[1, 2]], 5.0, 4.0)),
+               "full": (full, result([[1, 2]], 10.0, 8.0, gamma_policy="fixed")),
+               "vegas g3 r0.05 b1": (veg, result([[1, 3]], 25.0, 16.0, gamma_policy="auto", cost_t_draft_ms=1.5,
+                                                 num_accepted_tokens_per_pos=torch.tensor([2, 1, 0])))}
+    cell = {"doc": "kjv", "context_requested": 600, "context": 500, "batch_size": 1, "repeat": 1}
+    recs = e2e.run_records(h, cell, results, 0.25)
+    assert [r["label"] for r in recs] == ["hf", "full", "vegas g3 r0.05 b1"]
+    assert list(recs[2])[:8] == ["doc", "context_requested", "context", "batch_size", "repeat", "label",
+                                 "algorithm", "num_speculative_tokens"]
+    hf_rec, full_rec, veg_rec = recs
+    assert [r["identical_to_plain"] for r in recs] == [True, True, False]
+    assert [r["identical_to_hf"] for r in recs] == [True, True, False]
+    assert veg_rec["plain_reference"] == "full" and veg_rec["cell_prefill_s"] == 0.25
+    assert veg_rec["speedup_vs_full"] == 2.5 and veg_rec["speedup_vs_hf"] == 5.0
+    assert veg_rec["e2e_speedup_vs_full"] == 2.0 and hf_rec["speedup_vs_full"] == 0.5
+    assert veg_rec["ms_per_iteration"] == 500.0 and veg_rec["sparse_attn_min_tokens"] == 16
+    assert veg_rec["num_accepted_tokens_per_pos"] == [2, 1, 0]
+    assert veg_rec["gamma_policy"] == "auto" and veg_rec["fitted_cost_t_draft_ms"] == 1.5
+    assert "gamma_policy" not in full_rec and full_rec["sparse_attn_min_tokens"] is None
+    assert all(r["torch"] == "t" and r["model"] == "m" and r["dtype"] == "float32" for r in recs)
 
 def test_e2e_harness_prompt_files(tiny_doc_model_dir, tmp_path):
     """--docs takes paths of text files too (prompt files); a missing file is a clear CLI error."""

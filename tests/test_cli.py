@@ -259,6 +259,19 @@ def test_max_new_tokens_clamped_to_positions(tiny_model_dir, capsys):
     assert d["prompt_lengths"][0] + len(d["token_ids"][0]) <= 64
 
 
+def test_generate_leaves_its_args_unchanged(tiny_model_dir, capsys):
+    """cmd_generate works on a checked copy: the caller's Namespace keeps its parsed values (it used
+    to get --num-speculative-tokens turned into an int and --block-size filled in)."""
+    args = cli.build_parser().parse_args(["generate", "--model", tiny_model_dir, "--prompt", "the day",
+                                          "--max-new-tokens", "3", "--gamma", "2", "--json", "--no-progress"])
+    before = dict(vars(args))
+    assert cli.cmd_generate(args) == 0
+    assert vars(args) == before
+    assert args.num_speculative_tokens == "2" and args.block_size is None
+    d = json.loads(capsys.readouterr().out)
+    assert d["num_speculative_tokens"] == 2 and d["block_size"] == 1  # vegas' own block size, in the result
+
+
 def test_no_subcommand_prints_help(capsys):
     rc, out, err = run_cli([], capsys)
     assert rc == 2 and "generate" in err
@@ -267,8 +280,8 @@ def test_no_subcommand_prints_help(capsys):
 def test_console_entry_point_subprocess(tmp_path):
     """The real process: exit status 2, one line on stderr, no traceback (validation precedes model load)."""
     env = dict(os.environ, VEGAS_CACHE_DIR=str(tmp_path))
-    for extra in (["--ratio", "0"],):
-        r = subprocess.run([sys.executable, "-m", "vegas_ext", "generate", *extra], capture_output=True,
+    for module in ("vegas_ext", "vegas_ext.cli"):  # `python -m vegas_ext.cli` too, as when cli was one file
+        r = subprocess.run([sys.executable, "-m", module, "generate", "--ratio", "0"], capture_output=True,
                            text=True, env=env, timeout=120)
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
@@ -279,7 +292,7 @@ def test_console_entry_point_subprocess(tmp_path):
 # ---------------------------------------------------------------------- start-up and progress
 
 def _subprocess_env(tmp_path):
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__))))
+    src = os.path.dirname(os.path.dirname(os.path.abspath(models.__file__)))  # python/, above vegas_ext/
     env = dict(os.environ, VEGAS_CACHE_DIR=str(tmp_path))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     return env

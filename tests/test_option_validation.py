@@ -240,7 +240,7 @@ def test_config_imports_only_the_standard_library():
 
 # ------------------------------------------------------------------ case 010, the CLI: each item
 def _env():
-    src = os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))
+    src = os.path.dirname(os.path.dirname(os.path.abspath(config.__file__)))
     return dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
 
 

@@ -1,6 +1,8 @@
 """Self-speculative decoding with verification-guided sparse attention (Vegas, arXiv 2602.07223).
 
-One iteration (the method: ``docs/method.md``), each a short function over one :class:`DecodeState`:
+:func:`generate` runs :func:`prefill` once, then iterations until every row is done. One
+iteration (the method: ``docs/method.md``), each phase a short function over one
+:class:`DecodeState`:
 
 1. :func:`select` -- the next draft's KV blocks (:mod:`vegas_ext.selection`; for ``"vegas"`` the
    top-k blocks by the last verification's scores, sinks first), only when the iteration drafts;
@@ -10,12 +12,13 @@ One iteration (the method: ``docs/method.md``), each a short function over one :
 3. :func:`verify` -- the last target token and the ``gamma`` drafts in one forward with full
    causal attention (:func:`vegas_ext.ops.verify_attention`), which also returns, per layer, the
    softmax mass each KV block received;
-4. :func:`accept` / :func:`commit` -- greedy or speculative sampling (:mod:`vegas_ext.acceptance`),
-   then emit the tokens, count them (:class:`~vegas_ext.stats.DecodeStats`) and roll the cache
-   back by length.
+4. :func:`accept` -- greedy or speculative sampling (:mod:`vegas_ext.acceptance`);
+5. :func:`emit` -- the accepted tokens and the target's own, counted
+   (:class:`~vegas_ext.stats.DecodeStats`); the cache is committed and rejected drafts rolled back
+   by length.
 
-:func:`prefill` runs once before; the number of drafts per iteration comes from a ``gamma``
-policy (:mod:`vegas_ext.speculation`). Selection algorithms are pluggable
+:func:`iteration` runs one with a given ``gamma``; :func:`advance` chooses ``gamma`` from a policy
+(:mod:`vegas_ext.speculation`) and runs it. Selection algorithms are pluggable
 (:func:`register_selection_algorithm`).
 """
 from __future__ import annotations
@@ -56,6 +59,7 @@ from .stats import DecodeStats
 __all__ = [
     "generate",
     "GenerateOutput",
+    "DecodeSettings",
     "DecodeState",
     "SelectionConfig",
     "SelectionContext",
@@ -90,71 +94,87 @@ class GenerateOutput:
 
 # =========================================================================== decoding state
 @dataclass
-class DecodeState:
-    """Everything one :func:`generate` call carries from iteration to iteration.
-
-    Per-row tensors are ``[B]`` over the rows of the current batch: once rows finish, they leave
-    it (:func:`drop_finished_rows`) and ``rows`` maps the current rows to the caller's.
+class DecodeSettings:
+    """What one :func:`generate` call fixes before its first forward and never changes.
 
     Attributes:
         model, fwd_kw: the HF model and the name of its cache argument.
-        cache: the :class:`VegasCache`; ``attn``: the :class:`AttentionState` the attention reads.
         strategy: the :class:`SelectionStrategy`; ``policy``: the :class:`GammaPolicy`.
-        stats: the :class:`DecodeStats` counters.
         do_sample, warpers, generator: the acceptance rule's options.
         eos: ``[E]`` int64 EOS ids; ``max_pos``: the model's positions; ``sync``: device sync.
-        limit_new: new tokens allowed per row; ``n_gen``: new tokens so far; ``done``: finished rows.
-        last_tok: each row's last emitted token (its K/V not yet in the cache).
-        tail_start: ``[B]`` int32 start of the draft tail (the last verification window).
-        new_tokens: ``[B0, max_new_tokens]`` the emitted tokens of the caller's ``B0`` rows
-            (padding after a row's end); ``n_gen_all``: ``[B0]`` new tokens per caller's row.
-        rows: ``[B]`` int64, the caller's row index of each current row.
         compact: whether finished rows leave the batch.
-        selected: whether ``attn.block_indices`` were chosen after the latest verification.
-        scores_fresh: whether the latest verification stored block scores (plain steps do not).
         streamer: optional HF streamer (batch size 1).
+        draft_weights: the :class:`~vegas_ext.draft_weights.DraftWeights` the draft forwards' linears
+            read, or ``None`` (the model's own).
         logits_processor, stopping_criteria: optional HF-style ``(input_ids [n, L], scores) -> ...``
-            callables applied per position as plain decoding applies them (:meth:`process`,
-            :meth:`stop_positions`); ``prompt_ids``: ``[B0, T]`` the caller's prompts as given, the
-            start of the ``input_ids`` they see.
+            callables applied per position as plain decoding applies them
+            (:meth:`DecodeState.process`, :meth:`DecodeState.stop_positions`); ``prompt_ids``:
+            ``[B0, T]`` the caller's prompts as given, the start of the ``input_ids`` they see.
     """
 
     model: object
     fwd_kw: str
-    cache: VegasCache
-    attn: AttentionState
     strategy: SelectionStrategy
     policy: GammaPolicy
-    stats: DecodeStats
     do_sample: bool
     warpers: object
     generator: Optional[torch.Generator]
     eos: Tensor
     max_pos: int
     sync: Callable[[], None]
-    limit_new: Tensor
-    n_gen: Optional[Tensor] = None
-    done: Optional[Tensor] = None
-    last_tok: Optional[Tensor] = None
-    tail_start: Optional[Tensor] = None
-    new_tokens: Optional[Tensor] = None
-    rows: Optional[Tensor] = None
-    n_gen_all: Optional[Tensor] = None
     compact: bool = True
-    selected: bool = False
-    scores_fresh: bool = True
     streamer: object = None
-    draft_weights: object = None  # a DraftWeights: the draft forwards' low-precision linears
-    lean_draft: object = None  # the draft forward (draft_forward.LeanDraft; False: the model's), made on first draft
+    draft_weights: object = None
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None
     prompt_ids: Optional[Tensor] = None
 
+
+@dataclass
+class DecodeState:
+    """What one :func:`generate` call carries from iteration to iteration.
+
+    Per-row tensors are ``[B]`` over the rows of the current batch: once rows finish, they leave
+    it (:func:`drop_finished_rows`) and ``rows`` maps the current rows to the caller's.
+
+    Attributes:
+        settings: the call's :class:`DecodeSettings`.
+        cache: the :class:`VegasCache`; ``attn``: the :class:`AttentionState` the attention reads
+            (it owns ``tail_start``, ``[B]`` int32, the start of the draft tail: the last
+            verification window).
+        stats: the :class:`DecodeStats` counters.
+        limit_new: new tokens allowed per row; ``n_gen``: new tokens so far; ``done``: finished rows.
+        last_tok: each row's last emitted token (its K/V not yet in the cache).
+        new_tokens: ``[B0, max_new_tokens]`` the emitted tokens of the caller's ``B0`` rows
+            (padding after a row's end); ``n_gen_all``: ``[B0]`` new tokens per caller's row.
+        rows: ``[B]`` int64, the caller's row index of each current row.
+        selected: whether ``attn.block_indices`` were chosen after the latest verification.
+        scores_fresh: whether the latest verification stored block scores (plain steps do not).
+        prefill_miss: why the prefill was not copied from ``prefill_cache`` (``None``: it was, or
+            there was none).
+    """
+
+    settings: DecodeSettings
+    cache: VegasCache
+    attn: AttentionState
+    stats: DecodeStats
+    limit_new: Tensor
+    new_tokens: Tensor
+    n_gen: Optional[Tensor] = None
+    done: Optional[Tensor] = None
+    last_tok: Optional[Tensor] = None
+    rows: Optional[Tensor] = None
+    n_gen_all: Optional[Tensor] = None
+    selected: bool = False
+    scores_fresh: bool = True
+    prefill_miss: Optional[str] = None
+    lean_draft: object = None  # the draft forward (draft_forward.LeanDraft; False: the model's), made on first draft
+
     def forward(self, ids: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One model forward over ``ids`` ``[B, Q]`` at positions ``pos`` into the cache; returns
         logits ``[B, keep or Q, V]``."""
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep,
-                         **{self.fwd_kw: self.cache})
+        s = self.settings
+        out = s.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep, **{s.fwd_kw: self.cache})
         self.attn.check_forward(len(self.cache.layers))  # every layer ran through our attention
         return out.logits
 
@@ -165,13 +185,14 @@ class DecodeState:
         group's rows exact (prompt as given, emitted tokens, then ``ahead[sel]`` ``[., A]``), the
         other rows filler. The whole batch, because HF's processors may hold per-row state
         indexed by batch position (e.g. the repetition penalty's left-padding lengths)."""
+        prompt_ids = self.settings.prompt_ids
         key = self.n_gen if mask is None else torch.where(mask, self.n_gen, -1)
-        T, A = self.prompt_ids.shape[1], ahead.shape[1]
+        T, A = prompt_ids.shape[1], ahead.shape[1]
         for n in torch.unique(key).tolist():
             if n >= 0:
                 sel = (key == n).nonzero()[:, 0]
                 pos = self.rows[sel]
-                ids = torch.cat([self.prompt_ids, self.new_tokens[:, :n], ahead.new_zeros(len(self.prompt_ids), A)], 1)
+                ids = torch.cat([prompt_ids, self.new_tokens[:, :n], ahead.new_zeros(len(prompt_ids), A)], 1)
                 ids[pos, T + n:] = ahead[sel]
                 yield sel, pos, ids
 
@@ -180,7 +201,8 @@ class DecodeState:
         row's tokens and ``ahead[:, :A - Q + 1 + i]`` (``A = ahead.shape[1]``), after
         ``logits_processor`` with each position's own prefix (float32, as HF's ``generate`` and
         assisted decoding apply processors). Returns ``logits`` itself when there is none."""
-        if self.logits_processor is None:
+        processor = self.settings.logits_processor
+        if processor is None:
             return logits
         Q, V = logits.shape[1], logits.shape[2]
         out = logits.to(torch.float32, copy=True)
@@ -189,7 +211,7 @@ class DecodeState:
             for sel, pos, ids in self.prefixes(ahead[:, : a0 + i]):
                 full = out.new_zeros((ids.shape[0], V))
                 full[pos] = out[sel, i]
-                out[sel, i] = self.logits_processor(ids, full)[pos]
+                out[sel, i] = processor(ids, full)[pos]
         return out
 
     def stop_positions(self, cand: Tensor, count: Tensor) -> Tensor:
@@ -199,16 +221,17 @@ class DecodeState:
         for k in range(1, int(count.max()) + 1):
             todo = (count >= k) & (stop == 0)
             for sel, pos, ids in self.prefixes(cand[:, :k], todo):
-                done = self.stopping_criteria(ids, None)[pos].to(stop.device)
+                done = self.settings.stopping_criteria(ids, None)[pos].to(stop.device)
                 stop[sel[done]] = k
         return stop
 
     def sample_or_argmax(self, logits: Tensor):
         """``(token [B], warped probabilities [B, V] or None)`` of ``logits`` ``[B, V]``."""
-        if not self.do_sample:
+        s = self.settings
+        if not s.do_sample:
             return logits.argmax(-1), None
-        p = probs(logits, self.warpers)
-        return torch.multinomial(p, 1, generator=self.generator)[:, 0], p
+        p = probs(logits, s.warpers)
+        return torch.multinomial(p, 1, generator=s.generator)[:, 0], p
 
 
 # =========================================================================== phases
@@ -243,15 +266,16 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
     state.rows = torch.arange(B, device=device)
     state.n_gen = torch.zeros(B, dtype=torch.long, device=device)
     first, _ = state.sample_or_argmax(state.process(logits[:, None], aligned[:, :0])[:, 0])
-    stopped = state.n_gen if state.stopping_criteria is None else state.stop_positions(first[:, None], state.n_gen + 1)
+    cfg = state.settings
+    stopped = state.n_gen if cfg.stopping_criteria is None else state.stop_positions(first[:, None], state.n_gen + 1)
     state.new_tokens[:, 0] = first
     state.n_gen = torch.ones(B, dtype=torch.long, device=device)
     state.n_gen_all = state.n_gen.clone()
-    state.done = (state.n_gen >= state.limit_new) | torch.isin(first, state.eos) | (stopped > 0)
+    state.done = (state.n_gen >= state.limit_new) | torch.isin(first, cfg.eos) | (stopped > 0)
     state.last_tok = first
-    state.tail_start = pre.to(torch.int32)
-    if state.streamer is not None:
-        state.streamer.put(first[:1].cpu())
+    st.tail_start = pre.to(torch.int32)
+    if cfg.streamer is not None:
+        cfg.streamer.put(first[:1].cpu())
     return reused
 
 
@@ -268,7 +292,7 @@ def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
     if not (pc["ids"].shape[0] == B and pc["ids"].shape[1] >= t and torch.equal(pc["ids"][:, :t], ids)):
         state.prefill_miss = "other prompt"
         return False
-    why = _prefill_cache_mismatch(pc, state.model)
+    why = _prefill_cache_mismatch(pc, state.settings.model)
     if why is not None:
         state.prefill_miss = why
         return False
@@ -400,12 +424,12 @@ def _store_prefill(state: DecodeState, pc: dict, ids: Tensor) -> None:
     """Keep the prefill K/V of ``ids`` ``[B, t]`` in ``pc`` for later calls of the same model;
     nothing is stored when the model cannot be fingerprinted (``state.prefill_miss`` says why)."""
     try:
-        fp = _model_fingerprint(state.model)
+        fp = _model_fingerprint(state.settings.model)
     except _NotFingerprintable as e:
         state.prefill_miss = f"not fingerprintable: {e}"
         return
     t = ids.shape[1]
-    pc["model"] = weakref.ref(state.model)
+    pc["model"] = weakref.ref(state.settings.model)
     pc["fingerprint"] = fp
     pc["ids"] = ids.clone()
     pc["k"] = [cl.keys[:, :, :t].clone() for cl in state.cache.layers]
@@ -415,12 +439,11 @@ def _store_prefill(state: DecodeState, pc: dict, ids: Tensor) -> None:
 def select(state: DecodeState) -> None:
     """Choose the next draft's KV blocks from the latest verification (``strategy.select``)."""
     st = state.attn
-    st.tail_start = state.tail_start
     ctx = SelectionContext(
-        block_scores=st.block_scores, lengths=state.cache.lengths, tail_start=state.tail_start,
+        block_scores=st.block_scores, lengths=state.cache.lengths, tail_start=st.tail_start,
         cache=state.cache, previous=st.block_indices, iteration=state.stats.num_iterations,
     )
-    st.block_indices = state.strategy.select(ctx)
+    st.block_indices = state.settings.strategy.select(ctx)
     state.selected = True
 
 
@@ -429,23 +452,24 @@ def draft(state: DecodeState, g: int):
 
     Returns ``(drafts [B, g] int64, q [B, g, V] float32 or None)``: the draft tokens and, when
     sampling, the warped distributions they were drawn from."""
+    cfg = state.settings
     B = state.last_tok.shape[0]
     device = state.last_tok.device
     drafts = torch.empty((B, g), dtype=torch.long, device=device)
     q = None
-    if g and state.do_sample:
-        q = torch.empty((B, g, state.model.config.vocab_size), dtype=torch.float32, device=device)
+    if g and cfg.do_sample:
+        q = torch.empty((B, g, cfg.model.config.vocab_size), dtype=torch.float32, device=device)
     if not g:
         return drafts, q
     state.attn.mode = "draft"
     lengths = state.cache.lengths.long()
     tok = state.last_tok
-    lowp = state.draft_weights.active() if state.draft_weights is not None else contextlib.nullcontext()
+    lowp = cfg.draft_weights.active() if cfg.draft_weights is not None else contextlib.nullcontext()
     forward = _draft_forward(state)
     with lowp:  # the draft's linears on the low-precision copy; verification keeps the model's own
         for j in range(g):
             state.cache.begin_forward(1, offset=j)
-            lg = forward(tok[:, None], (lengths + j).clamp(max=state.max_pos - 1)[:, None])
+            lg = forward(tok[:, None], (lengths + j).clamp(max=cfg.max_pos - 1)[:, None])
             tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j])[:, -1])
             if q is not None:
                 q[:, j] = qj
@@ -459,7 +483,7 @@ def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
     so the output is unchanged), else the model's own. ``VEGAS_LEAN_DRAFT=0`` turns it off."""
     if state.lean_draft is None:
         on = os.environ.get("VEGAS_LEAN_DRAFT", "1") != "0"
-        state.lean_draft = (lean_draft(state.model, state.draft_weights) if on else None) or False
+        state.lean_draft = (lean_draft(state.settings.model, state.settings.draft_weights) if on else None) or False
     lean, st = state.lean_draft, state.attn
     if lean is False:
         return lambda ids, pos: state.forward(ids, pos, 1)
@@ -477,7 +501,7 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True) -> Tensor:
     state.cache.begin_forward(g + 1)
     ids = torch.cat([state.last_tok[:, None], drafts], 1)
     ar = torch.arange(g + 1, device=drafts.device)
-    pos = (state.cache.lengths.long()[:, None] + ar[None, :]).clamp(max=state.max_pos - 1)
+    pos = (state.cache.lengths.long()[:, None] + ar[None, :]).clamp(max=state.settings.max_pos - 1)
     state.selected = False
     scores, block_size = st.block_scores, st.block_size
     if not score:
@@ -493,46 +517,37 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True) -> Tensor:
 def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tensor):
     """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``."""
     logits = state.process(logits, drafts)
-    if state.do_sample:
-        return speculative_accept(drafts, q, probs(logits, state.warpers), state.generator)
+    cfg = state.settings
+    if cfg.do_sample:
+        return speculative_accept(drafts, q, probs(logits, cfg.warpers), cfg.generator)
     return greedy_accept(drafts, logits)
 
 
-def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
-    """Emit each active row's accepted drafts and the target's token (up to its EOS and its
-    ``max_new_tokens``), count them, and commit the cache: exact K/V for the last token and the
-    emitted tokens but the last; rejected drafts are rolled back by length.
+def emit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
+    """Emit each active row's accepted drafts and the target's token (up to its EOS, its stopping
+    criteria and its ``max_new_tokens``), count them, and commit the cache: exact K/V for the last
+    token and the emitted tokens but the last; rejected drafts are rolled back by length.
 
     Returns ``(drafted [B], matched [B])``: per row the drafts that could be emitted and how many
     of them matched the target (for the ``gamma`` policy)."""
+    cfg = state.settings
     B, g = drafts.shape
-    device = drafts.device
     active = ~state.done
     rem = state.limit_new - state.n_gen
-    ar = torch.arange(g + 1, device=device)
     cand = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
     cand.scatter_(1, a[:, None], t[:, None])
-    count = torch.minimum(a + 1, rem)
-    hit = torch.isin(cand, state.eos) & (ar[None, :] < count[:, None])
-    has_eos = hit.any(1)
-    count = torch.where(has_eos, hit.long().argmax(1) + 1, count)
-    count = torch.where(active, count, torch.zeros_like(count))
-    if state.stopping_criteria is not None:  # a row ends after the token the criteria stop at
-        stop = state.stop_positions(cand, count)
-        has_eos = has_eos | (stop > 0)
-        count = torch.where(stop > 0, stop, count)
-    finished = active & (has_eos | (count >= rem))
-    wmask = ar[None, :] < count[:, None]
-    rows, cols = wmask.nonzero(as_tuple=True)
+    count, ended = _emitted_counts(state, cand, torch.where(active, torch.minimum(a + 1, rem), 0))
+    finished = active & (ended | (count >= rem))
+    rows, cols = (torch.arange(g + 1, device=drafts.device)[None, :] < count[:, None]).nonzero(as_tuple=True)
     state.new_tokens[state.rows[rows], state.n_gen[rows] + cols] = cand[rows, cols]
     # drafts that could never be emitted (past max_new_tokens) are not counted as drafted, and
     # accepted drafts after an EOS (never emitted) not as accepted
     drafted = torch.where(active, torch.clamp(rem - 1, max=g), torch.zeros_like(rem))
     matched = torch.minimum(a, drafted)
     state.stats.record(drafted, torch.minimum(matched, count))
-    if state.streamer is not None and int(count[0]) > 0:
-        state.streamer.put(cand[0, : int(count[0])].cpu())
-    state.tail_start = state.cache.lengths.clone()
+    if cfg.streamer is not None and int(count[0]) > 0:
+        cfg.streamer.put(cand[0, : int(count[0])].cpu())
+    state.attn.tail_start = state.cache.lengths.clone()
     state.cache.commit(state.cache.lengths.long() + count)
     state.n_gen = state.n_gen + count
     state.n_gen_all[state.rows] = state.n_gen
@@ -541,18 +556,34 @@ def commit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
     return drafted, matched
 
 
-def step(state: DecodeState) -> None:
-    """One iteration: choose ``gamma`` -> select -> draft -> verify -> accept -> commit. A plain
-    step (``gamma = 0``) does not score blocks; when drafts follow one and the strategy reads
-    verification scores, a plain step that scores them runs first (an iteration of its own)."""
-    g = state.policy.choose(*_gamma_limits(state))
-    if g and state.strategy.needs_verify_scores and not state.scores_fresh:
-        state.policy.note_plain_step()
-        iterate(state, 0, score=True)
+def _emitted_counts(state: DecodeState, cand: Tensor, count: Tensor):
+    """``(count [B], ended [B] bool)``: of the first ``count[b]`` tokens of ``cand`` ``[B, g + 1]``,
+    how many a row emits (through its first EOS, or the token its stopping criteria stop at) and
+    whether the row ended there."""
+    ar = torch.arange(cand.shape[1], device=cand.device)
+    hit = torch.isin(cand, state.settings.eos) & (ar[None, :] < count[:, None])
+    ended = hit.any(1)
+    count = torch.where(ended, hit.long().argmax(1) + 1, count)
+    if state.settings.stopping_criteria is not None:  # a row ends after the token the criteria stop at
+        stop = state.stop_positions(cand, count)
+        ended = ended | (stop > 0)
+        count = torch.where(stop > 0, stop, count)
+    return count, ended
+
+
+def advance(state: DecodeState) -> None:
+    """Choose ``gamma`` and run one :func:`iteration` with it. A plain iteration (``gamma = 0``)
+    does not score blocks; when drafts follow one and the strategy reads verification scores, a
+    plain iteration that scores them runs first."""
+    cfg = state.settings
+    g = cfg.policy.choose(*_gamma_limits(state))
+    if g and cfg.strategy.needs_verify_scores and not state.scores_fresh:
+        cfg.policy.note_plain_step()
+        iteration(state, 0, score=True)
         if bool(state.done.all()):
             return
         g = min(g, _gamma_limits(state)[1])
-    iterate(state, g, score=g > 0)
+    iteration(state, g, score=g > 0)
 
 
 def _gamma_limits(state: DecodeState):
@@ -560,57 +591,56 @@ def _gamma_limits(state: DecodeState):
     the most the batch may draft (also kept inside the model's positions)."""
     active = ~state.done
     caps = (state.limit_new - state.n_gen - 1)[active]
-    room = int((state.max_pos - 1 - state.cache.lengths.long())[active].min())
+    room = int((state.settings.max_pos - 1 - state.cache.lengths.long())[active].min())
     return caps, max(0, min(int(caps.max()), room))
 
 
-def iterate(state: DecodeState, g: int, score: bool = True) -> None:
-    """select (if drafting) -> draft ``g`` -> verify -> accept -> commit, timed per phase into
-    ``state.stats`` and reported to the gamma policy; then finished rows leave the batch."""
+def iteration(state: DecodeState, g: int, score: bool = True) -> None:
+    """One iteration: select (if drafting) -> draft ``g`` -> verify -> accept -> emit, timed per
+    phase into ``state.stats`` and reported to the gamma policy; then finished rows leave the batch."""
+    cfg, stats = state.settings, state.stats
     active = ~state.done
     t0 = time.perf_counter()
     t_sel = 0.0
     if g and not state.selected:
         select(state)
-        state.sync()
+        cfg.sync()
         t_sel = time.perf_counter() - t0
-        state.stats.time_select_s += t_sel
-    state.stats.num_iterations += 1
+    stats.num_iterations += 1
     t1 = time.perf_counter()
     drafts, q = draft(state, g)
     if g:
-        state.sync()
+        cfg.sync()
     t2 = time.perf_counter()
     logits = verify(state, drafts, score)
-    a, t = accept(state, drafts, q, logits)
-    drafted, matched = commit(state, drafts, a, t)
-    state.sync()
+    drafted, matched = emit(state, drafts, *accept(state, drafts, q, logits))
+    cfg.sync()
     t3 = time.perf_counter()
-    state.stats.time_draft_s += t2 - t1
-    state.stats.time_verify_s += t3 - t2
-    state.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score),
-                                   drafted[active], matched[active])
-    if state.compact and bool(state.done.any()) and not bool(state.done.all()):
+    stats.time_select_s += t_sel
+    stats.time_draft_s += t2 - t1
+    stats.time_verify_s += t3 - t2
+    cfg.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score),
+                                 drafted[active], matched[active])
+    if cfg.compact and bool(state.done.any()) and not bool(state.done.all()):
         drop_finished_rows(state)
-        state.sync()
-        state.stats.time_compact_s += time.perf_counter() - t3
+        cfg.sync()
+        stats.time_compact_s += time.perf_counter() - t3
 
 
 def drop_finished_rows(state: DecodeState) -> None:
-    """Finished rows leave the batch: the cache rows, the attention state (block scores and
-    indices), the strategy's per-row metadata and the per-row progress keep the active rows only,
+    """Finished rows leave the batch: the cache rows, the attention state (block scores, indices
+    and tail), the strategy's per-row metadata and the per-row progress keep the active rows only,
     so that every later forward runs on them alone."""
     keep = (~state.done).nonzero()[:, 0]
     state.cache.keep_rows(keep)
     st = state.attn
-    if st.block_scores is not None:
-        st.block_scores = st.block_scores[:, keep].contiguous()
-    if st.block_indices is not None:
-        st.block_indices = st.block_indices[:, keep].contiguous()
-    state.strategy.keep_rows(keep)
-    for name in ("limit_new", "n_gen", "done", "last_tok", "tail_start", "rows"):
+    for name in ("block_scores", "block_indices"):
+        if getattr(st, name) is not None:
+            setattr(st, name, getattr(st, name)[:, keep].contiguous())
+    st.tail_start = st.tail_start[keep]
+    state.settings.strategy.keep_rows(keep)
+    for name in ("limit_new", "n_gen", "done", "last_tok", "rows"):
         setattr(state, name, getattr(state, name)[keep])
-    st.tail_start = state.tail_start
 
 
 # =========================================================================== generate
@@ -965,35 +995,7 @@ def generate(
         TypeError: an option of the wrong type (``config.OptionTypeError``, also a ``ValueError``):
             types are checked, not coerced; see :mod:`vegas_ext.config` and ``docs/options.md``.
 
-    Defaults, and why (SmolLM2-135M-Instruct, fp32, CPU, 1 thread; ``bench/decode_defaults.py``
-    and ``bench/decode_step_costs.py``):
-
-    * ``sparse_attn_ratio=0.05``, ``sparse_attn_min_tokens=256``: on a 4K-token real-text prompt
-      (greedy, gamma 8) a 64-token floor dropped the mean acceptance length from 6.7 to 5.9 and a
-      10 % budget did not raise it; a draft step costs about the same for any of these budgets
-      (weights dominate: 57-60 ms at 2K-8K, batch 1), so the paper's 5 % / 256 is kept.
-    * ``block_size=None`` -> 1 for ``"vegas"`` (token granularity, the authors' choice): at 4K and
-      8K, batch 4, gamma 6, ratio 0.05, three documents (``bench/results/variants_xeon_avx512``, ~220
-      drafts each) it drafted best -- mean acceptance length 5.28 vs 4.87 with 16-token blocks and
-      4.49 with 64 (StreamingLLM 4.32, Quest 4.78), ahead on every document and context -- for a
-      selection cost of ~1.5 % of an iteration (one ``block_topk`` over all layers) and, after
-      the block-score reduction was reworked, ~15 % more ``verify_attention`` time than 16-token
-      blocks. Quest and StreamingLLM keep 16-token blocks (Quest's pages).
-    * ``num_speculative_tokens="auto"``, ``max_speculative_tokens=8``: whether speculation pays
-      depends on the machine, the context, the batch and the text, and a fixed gamma loses where
-      it does not. With the cost model ``tau * t_plain / (gamma * t_draft + t_verify + t_select)``
-      on measured step costs (plain / draft / verify-of-7 = 365 / 104 / 699 ms at 8K, batch 4;
-      86 / 57 / 165 ms at 4K, batch 1; 1 thread) gamma 2-4 is best on this CPU and 6 is 5-15 %
-      behind it, because verifying gamma+1 tokens is not free here and a 135M model's draft step
-      reads all the weights like a plain step; at 2K no gamma wins by more than ~6 %. ``"auto"``
-      measures those costs as it decodes and picks the gamma (0 = a plain step) with the most
-      expected tokens per second before every iteration; the measurements behind this default
-      are in ``bench/results/gamma_xeon_avx512`` (``python -m bench.report gamma``). The paper's gamma 6
-      remains available as ``num_speculative_tokens=6``.
-    * per-KV-head selection (``share_selection_across_heads=False``) and all verification queries
-      (``query_weights="all"``): within sampling error of the authors' shared / first-and-last
-      choices (same run: shared 4.93, shared + first/last 4.88, default 4.87, first/last alone
-      4.70), and per-head selection is what the kernels are built for.
+    Defaults, and the measurements behind them: ``docs/options.md``.
     """
     _check_model(model)
     opts = _check_options(
@@ -1006,35 +1008,133 @@ def generate(
         query_weights=query_weights, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         return_cache=return_cache,
     )
-    # the normalized values (a numpy or 0-d tensor integer becomes an int)
-    max_new_tokens, num_speculative_tokens = opts["max_new_tokens"], opts["num_speculative_tokens"]
-    max_speculative_tokens, sparse_attn_ratio = opts["max_speculative_tokens"], opts["sparse_attn_ratio"]
-    sparse_attn_min_tokens, sparse_attn_max_tokens = opts["sparse_attn_min_tokens"], opts["sparse_attn_max_tokens"]
-    block_size, num_sink_blocks = opts["block_size"], opts["num_sink_blocks"]
-    selection_refresh_interval, top_k = opts["selection_refresh_interval"], opts["top_k"]
-    temperature, top_p = opts["temperature"], opts["top_p"]
-    sparse_attn_algorithm, query_weights = opts["sparse_attn_algorithm"], opts["query_weights"]
     _check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
+    _check_call_args(model, draft_weights, logits_processor, stopping_criteria)
+    input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
+    plan = _plan(model, opts, prompt_lens, max_pos)
+    config_used = _config_used(opts, plan, prompt_lens, next(model.parameters()).dtype, device, draft_weights)
+    if opts["max_new_tokens"] == 0:  # no forward, but the same model checks as a decoding call
+        check_model_supported(model, plan.max_context)
+        stats = DecodeStats.for_gamma(plan.policy.max_gamma).as_dict(0.0, 0)
+        return GenerateOutput(sequences=input_ids.clone(), stats={**stats, **config_used})
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    settings = DecodeSettings(
+        model=model, fwd_kw=_cache_kwarg(model), strategy=plan.strategy, policy=plan.policy,
+        do_sample=opts["do_sample"], generator=generator,
+        warpers=make_warpers(opts["temperature"], opts["top_k"], opts["top_p"]) if opts["do_sample"] else None,
+        eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
+        sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), compact=not return_cache,
+        streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        prompt_ids=input_ids,
+        # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
+        draft_weights=draft_weights_for(model, draft_weights) if plan.strategy.drafts and draft_weights else None,
+    )
+    filler = pad_token_id if 0 <= pad_token_id < int(model.config.vocab_size) else 0
+    aligned = _left_aligned(input_ids, prompt_lens, filler)
+    dw = settings.draft_weights
+    with torch.inference_mode(), patched(model, max_context=plan.max_context), \
+            (dw.installed() if dw is not None else contextlib.nullcontext()):
+        t_start = time.perf_counter()
+        state = _new_state(settings, plan, pad_token_id)
+        with state.attn.activate(), _torn_down(plan.strategy, state.attn):
+            plan.strategy.setup(state.attn)  # inside: teardown runs however the call ends
+            reused = prefill(state, aligned, prompt_lens, min(plan.policy.max_gamma + 1, int(prompt_lens.min())),
+                             prefill_cache)
+            settings.sync()
+            state.stats.time_prefill_s = time.perf_counter() - t_start
+            inline_pre = dict(getattr(plan.strategy, "inline_select_time_s", None) or {})
+            while not bool(state.done.all()):
+                advance(state)
+            settings.sync()
+            t_total = time.perf_counter() - t_start
+    if streamer is not None:
+        streamer.end()
+    stats = _collect_stats(state, config_used, t_total, inline_pre, reused=reused, prefill_cache=prefill_cache)
+    sequences = torch.cat([input_ids, state.new_tokens[:, : int(state.n_gen_all.max())]], 1)
+    return GenerateOutput(sequences=sequences, stats=stats, cache=state.cache if return_cache else None)
+
+
+def _check_call_args(model, draft_weights, logits_processor, stopping_criteria) -> None:
+    """The arguments of :func:`generate` that are not options of :mod:`vegas_ext.config`; warns when
+    the model's generation config asks for processors this call will not apply."""
+    check_draft_weights(draft_weights)
+    for name, fn in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be callable (input_ids, scores) or None, got {type(fn).__name__}")
     unapplied = generation_config_processors(model) if logits_processor is None else {}
     if unapplied:
         warnings.warn(
             f"vegas generate: model.generation_config sets {unapplied}, which plain "
             "model.generate applies as logits processors; vegas_ext.generate decodes without them (plain greedy "
             "/ sampling). Use model.generate(..., custom_generate=vegas_ext.hf.generate) to apply them.",
-            stacklevel=2)
-    check_draft_weights(draft_weights)
-    for name, fn in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
-        if fn is not None and not callable(fn):
-            raise ValueError(f"{name} must be callable (input_ids, scores) or None, got {type(fn).__name__}")
-    if block_size is None:
-        block_size = SELECTION_ALGORITHMS[sparse_attn_algorithm].default_block_size
-    input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
-    B, T = input_ids.shape
-    Lmax, Lmin = int(prompt_lens.max()), int(prompt_lens.min())
-    config = model.config
-    p0 = next(model.parameters())
+            stacklevel=3)
 
+
+@dataclass
+class _Plan:
+    """The sizes and objects of one :func:`generate` call, fixed before its first forward.
+
+    Attributes:
+        prompt_lens: ``[B]`` int64; ``limit_new``: ``[B]`` new tokens each row may emit
+            (``max_new_tokens``, capped at the model's last position); ``n_cap``: their maximum.
+        block_size: tokens per KV block (the algorithm's default if not given; clamped to one
+            block covering the whole cache).
+        strategy, policy: the :class:`SelectionStrategy` and the :class:`GammaPolicy`.
+        cache_len: positions the cache holds per row; ``max_context``: the longest context.
+        query_weights: ``"all"`` or ``"first_last"`` (which verification queries score blocks).
+    """
+
+    prompt_lens: Tensor
+    limit_new: Tensor
+    n_cap: int
+    block_size: int
+    strategy: SelectionStrategy
+    policy: GammaPolicy
+    cache_len: int
+    max_context: int
+    query_weights: str
+
+
+def _plan(model, opts: dict, prompt_lens: Tensor, max_pos: int) -> _Plan:
+    """Sizes the call (new tokens per row, block size, cache length) and builds its selection
+    strategy and gamma policy from the checked options ``opts``."""
+    max_new = opts["max_new_tokens"]
+    limit_new = _new_token_limits(model, prompt_lens, max_new, max_pos)
+    n_cap = int(limit_new.max())  # most new tokens any row can emit: buffers are sized by it
+    Lmax = int(prompt_lens.max())
+    block_size = opts["block_size"]
+    if block_size is None:
+        block_size = SELECTION_ALGORITHMS[opts["sparse_attn_algorithm"]].default_block_size
+    # a block covering the whole cache (at most min(Lmax + n_cap, max_pos) + n_cap positions) is
+    # one block: clamp there, so huge values give the same result without overflowing int32 math
+    block_size = min(int(block_size), min(Lmax + n_cap, max_pos) + n_cap + 1)
+    strategy = SELECTION_ALGORITHMS[opts["sparse_attn_algorithm"]](SelectionConfig(
+        ratio=float(opts["sparse_attn_ratio"]), min_tokens=int(opts["sparse_attn_min_tokens"]),
+        max_tokens=opts["sparse_attn_max_tokens"], block_size=block_size,
+        num_sink_blocks=int(opts["num_sink_blocks"]),
+        share_selection_across_heads=bool(opts["share_selection_across_heads"]),
+        refresh_interval=int(opts["selection_refresh_interval"]),
+    ))
+    g = opts["num_speculative_tokens"]
+    if not strategy.drafts:
+        policy: GammaPolicy = FixedGamma(0)
+    elif g == "auto":  # auto's work grows with its range: no wider than useful
+        policy = AutoGamma(max(1, min(int(opts["max_speculative_tokens"]), max_new - 1, max_pos)))
+    else:
+        policy = FixedGamma(min(int(g), max_pos))
+    # no iteration drafts more than a row can still emit, so the cache needs at most n_cap - 1
+    # draft slots whatever gamma (or max_speculative_tokens) was asked for
+    cache_len = min(Lmax + n_cap, max_pos) + min(policy.max_gamma, max(n_cap - 1, 0)) + 1
+    return _Plan(prompt_lens=prompt_lens, limit_new=limit_new, n_cap=n_cap, block_size=block_size,
+                 strategy=strategy, policy=policy, cache_len=cache_len, max_context=min(Lmax + n_cap, max_pos),
+                 query_weights=opts["query_weights"])
+
+
+def _new_token_limits(model, prompt_lens: Tensor, max_new_tokens: int, max_pos: int) -> Tensor:
+    """``[B]`` new tokens per row: ``max_new_tokens``, capped so no row passes the model's last
+    position (with a warning); a ``ValueError`` where ``rope_type='dynamic'`` makes a cap lossy."""
     limit_new = torch.clamp(max_pos - prompt_lens + 1, max=max_new_tokens)
     if bool((limit_new < max_new_tokens).any()):
         if "dynamic" in rope_types(model.config) and int(limit_new.min()) < int(limit_new.max()):
@@ -1048,121 +1148,75 @@ def generate(
         warnings.warn(
             f"vegas generate: max_new_tokens={max_new_tokens} capped so no row goes past "
             f"max_position_embeddings={max_pos}",
-            stacklevel=2,
+            stacklevel=4,
         )
-    n_cap = int(limit_new.max())  # most new tokens any row can emit: buffers are sized by it
-    # a block covering the whole cache (at most min(Lmax + n_cap, max_pos) + n_cap positions) is
-    # one block: clamp there, so huge values give the same result without overflowing int32 math
-    block_size = min(int(block_size), min(Lmax + n_cap, max_pos) + n_cap + 1)
-    strategy_cls = SELECTION_ALGORITHMS[sparse_attn_algorithm]
-    strategy = strategy_cls(SelectionConfig(
-        ratio=float(sparse_attn_ratio),
-        min_tokens=int(sparse_attn_min_tokens),
-        max_tokens=sparse_attn_max_tokens,
-        block_size=int(block_size),
-        num_sink_blocks=int(num_sink_blocks),
-        share_selection_across_heads=bool(share_selection_across_heads),
-        refresh_interval=int(selection_refresh_interval),
-    ))
-    if not strategy.drafts:
-        policy: GammaPolicy = FixedGamma(0)
-    elif num_speculative_tokens == "auto":  # auto's work grows with its range: no wider than useful
-        policy = AutoGamma(max(1, min(int(max_speculative_tokens), max_new_tokens - 1, max_pos)))
-    else:
-        policy = FixedGamma(min(int(num_speculative_tokens), max_pos))
-    gamma = policy.max_gamma
+    return limit_new
 
-    # per-row limits: never past the model's last position
-    # no iteration drafts more than a row can still emit, so the cache needs at most n_cap - 1
-    # draft slots whatever gamma (or max_speculative_tokens) was asked for
-    S_max = min(Lmax + n_cap, max_pos) + min(gamma, max(n_cap - 1, 0)) + 1
-    need_ctx = min(Lmax + n_cap, max_pos)
 
-    config_used = {
-        "sparse_attn_algorithm": sparse_attn_algorithm,
-        "num_speculative_tokens": "auto" if isinstance(policy, AutoGamma) else gamma,
-        "max_speculative_tokens": gamma,
-        "sparse_attn_ratio": float(sparse_attn_ratio),
-        "sparse_attn_min_tokens": int(sparse_attn_min_tokens),
-        "sparse_attn_max_tokens": sparse_attn_max_tokens,
-        "block_size": int(block_size),
-        "num_sink_blocks": int(num_sink_blocks),
-        "share_selection_across_heads": bool(share_selection_across_heads),
-        "query_weights": query_weights,
-        "selection_refresh_interval": int(selection_refresh_interval),
-        "do_sample": bool(do_sample),
-        "temperature": float(temperature),
-        "top_k": int(top_k),
-        "top_p": float(top_p),
-        "max_new_tokens": int(max_new_tokens),
-        "batch_size": B,
-        "prompt_lengths": prompt_lens.tolist(),
-        "dtype": str(p0.dtype).replace("torch.", ""),
-        "device": str(device),
-        "draft_weights": draft_weights,
-    }
-    stats = DecodeStats.for_gamma(gamma)
-    if max_new_tokens == 0:  # no forward, but the same model checks as a decoding call
-        check_model_supported(model, need_ctx)
-        return GenerateOutput(sequences=input_ids.clone(), stats={**stats.as_dict(0.0, 0), **config_used})
+def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device, draft_weights) -> dict:
+    """The configuration a call ran with, as reported in its ``stats``."""
+    keys = ("sparse_attn_algorithm", "sparse_attn_max_tokens", "query_weights")
+    out = {k: opts[k] for k in keys}
+    out.update({k: float(opts[k]) for k in ("sparse_attn_ratio", "temperature", "top_p")})
+    out.update({k: int(opts[k]) for k in ("sparse_attn_min_tokens", "num_sink_blocks", "selection_refresh_interval",
+                                          "top_k", "max_new_tokens")})
+    out.update({k: bool(opts[k]) for k in ("share_selection_across_heads", "do_sample")})
+    gamma = plan.policy.max_gamma
+    out.update({
+        "num_speculative_tokens": "auto" if isinstance(plan.policy, AutoGamma) else gamma,
+        "max_speculative_tokens": gamma, "block_size": int(plan.block_size), "batch_size": len(prompt_lens),
+        "prompt_lengths": prompt_lens.tolist(), "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device), "draft_weights": draft_weights,
+    })
+    return {k: out[k] for k in _CONFIG_KEYS}
 
-    filler = pad_token_id if 0 <= pad_token_id < int(config.vocab_size) else 0
-    aligned = _left_aligned(input_ids, prompt_lens, filler)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
 
-    # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
-    dw = draft_weights_for(model, draft_weights) if strategy.drafts and draft_weights else None
-    dw_ctx = dw.installed() if dw is not None else contextlib.nullcontext()
-    with torch.inference_mode(), patched(model, max_context=need_ctx), dw_ctx:
-        t_start = time.perf_counter()
-        cache = VegasCache.for_model(model, B, S_max)
-        attn = AttentionState(
-            cache=cache,
-            block_size=int(block_size),
-            query_weights=_first_last_weights(device) if query_weights == "first_last" else None,
+#: the order of the configuration keys in ``stats``
+_CONFIG_KEYS = (
+    "sparse_attn_algorithm", "num_speculative_tokens", "max_speculative_tokens", "sparse_attn_ratio",
+    "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size", "num_sink_blocks",
+    "share_selection_across_heads", "query_weights", "selection_refresh_interval", "do_sample", "temperature",
+    "top_k", "top_p", "max_new_tokens", "batch_size", "prompt_lengths", "dtype", "device", "draft_weights",
+)
+
+
+def _new_state(settings: DecodeSettings, plan: _Plan, pad_token_id: int) -> DecodeState:
+    """An empty cache of ``plan.cache_len`` positions per row, the attention state over it (with
+    room for block scores when the strategy reads them) and the loop's state before prefill."""
+    model, B = settings.model, len(plan.prompt_lens)
+    device = plan.prompt_lens.device
+    cache = VegasCache.for_model(model, B, plan.cache_len)
+    attn = AttentionState(
+        cache=cache, block_size=plan.block_size,
+        query_weights=_first_last_weights(device) if plan.query_weights == "first_last" else None,
+    )
+    if plan.strategy.drafts and plan.strategy.needs_verify_scores:
+        attn.block_scores = torch.zeros(
+            (len(cache.layers), B, cache.layers[0].num_heads, -(-plan.cache_len // plan.block_size)),
+            dtype=torch.float32, device=device,
         )
-        if strategy.drafts and strategy.needs_verify_scores:
-            attn.block_scores = torch.zeros(
-                (len(cache.layers), B, cache.layers[0].num_heads, -(-S_max // block_size)),
-                dtype=torch.float32, device=device,
-            )
-        state = DecodeState(
-            model=model, fwd_kw=_cache_kwarg(model), cache=cache, attn=attn, strategy=strategy, policy=policy,
-            stats=stats, do_sample=bool(do_sample),
-            warpers=make_warpers(temperature, top_k, top_p) if do_sample else None,
-            generator=generator, eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
-            sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), limit_new=limit_new,
-            new_tokens=torch.full((B, n_cap), pad_token_id, dtype=torch.long, device=device),
-            streamer=streamer, compact=not return_cache, draft_weights=dw,
-            logits_processor=logits_processor, stopping_criteria=stopping_criteria, prompt_ids=input_ids,
-        )
-        with attn.activate(), _torn_down(strategy, attn):
-            strategy.setup(attn)  # inside: teardown runs however the call ends
-            reused = prefill(state, aligned, prompt_lens, min(gamma + 1, Lmin), prefill_cache)
-            state.sync()
-            stats.time_prefill_s = time.perf_counter() - t_start
-            inline_pre = dict(getattr(strategy, "inline_select_time_s", None) or {})
-            while not bool(state.done.all()):
-                step(state)
-            state.sync()
-            t_total = time.perf_counter() - t_start
+    return DecodeState(
+        settings=settings, cache=cache, attn=attn, stats=DecodeStats.for_gamma(plan.policy.max_gamma),
+        limit_new=plan.limit_new, new_tokens=torch.full((B, plan.n_cap), pad_token_id, dtype=torch.long, device=device),
+    )
 
-    inline_total = _move_inline_select_time(stats, strategy, inline_pre)
-    if streamer is not None:
-        streamer.end()
-    n_gen = state.n_gen_all
-    stats.num_generated_tokens = int(n_gen.sum())
-    out = {**stats.as_dict(t_total, B), **config_used, **policy.stats()}
+
+def _collect_stats(state: DecodeState, config_used: dict, t_total: float, inline_pre: dict,
+                   *, reused: bool, prefill_cache: Optional[dict]) -> dict:
+    """The call's ``stats``: counters and timings (selection work done inside the forwards moved to
+    ``time_select_s``), the configuration, the policy's and the draft weights' own figures."""
+    stats, dw = state.stats, state.settings.draft_weights
+    inline_total = _move_inline_select_time(stats, state.settings.strategy, inline_pre)
+    stats.num_generated_tokens = int(state.n_gen_all.sum())
+    out = {**stats.as_dict(t_total, len(state.n_gen_all)), **config_used, **state.settings.policy.stats()}
     out["prefill_reused"] = reused
-    out["prefill_miss"] = None if reused or prefill_cache is None else getattr(state, "prefill_miss", "no prefill")
+    out["prefill_miss"] = None if reused or prefill_cache is None else (state.prefill_miss or "no prefill")
     out["draft_weights_bytes"] = dw.nbytes if dw is not None else 0
     out["draft_weights_format"] = dw.format if dw is not None else None
     out["time_draft_weights_s"] = dw.build_s if dw is not None else 0.0
     out["time_select_inline_s"] = inline_total
     out["time_select_prefill_s"] = float(sum(inline_pre.values()))
-    sequences = torch.cat([input_ids, state.new_tokens[:, : int(n_gen.max())]], 1)
-    return GenerateOutput(sequences=sequences, stats=out, cache=cache if return_cache else None)
+    return out
 
 
 @contextlib.contextmanager

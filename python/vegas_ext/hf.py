@@ -695,38 +695,15 @@ def generate(
     """
     from .decode import generate as vegas_generate
 
-    if generation_config is None:
-        generation_config = model.generation_config
+    gc = model.generation_config if generation_config is None else generation_config
     hf_call = _hf_generate_call()
-    if streamer is None:
-        streamer = hf_call.get("streamer")
-        forwarded = streamer is not None  # HF already sent it the prompt
-    else:
-        forwarded = False
+    forwarded = streamer is None and hf_call.get("streamer") is not None  # HF already sent it the prompt
+    streamer = hf_call.get("streamer") if streamer is None else streamer
     synced_gpus = synced_gpus or bool(hf_call.get("synced_gpus"))
-    _check_generation_config(generation_config, {**hf_call, "synced_gpus": synced_gpus}, logits_processor, model_kwargs)
-
+    _check_generation_config(gc, {**hf_call, "synced_gpus": synced_gpus}, logits_processor, model_kwargs)
+    eos, pad = _eos_and_pad_ids(gc)
     B, T = input_ids.shape
-    gc = generation_config
-    # HF's generate resolved these (pad: else the first EOS); a direct call reads the config's
-    eos_t = getattr(gc, "_eos_token_tensor", gc.eos_token_id)
-    pad_t = getattr(gc, "_pad_token_tensor", gc.pad_token_id)
-    eos = [] if eos_t is None else [int(x) for x in torch.as_tensor(eos_t).flatten().tolist()]
-    pad = None if pad_t is None else int(pad_t)
-    max_length = int(gc.max_length)
-    criteria = _needed_criteria(stopping_criteria, max_length, eos)
-    if stop_strings:
-        if tokenizer is None:
-            _refuse("stop_strings without a tokenizer",
-                    "transformers does not pass `tokenizer` to a callable custom_generate; bind it with "
-                    "custom_generate=functools.partial(vegas_ext.hf.generate, tokenizer=tok)")
-        from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
-
-        criteria = StoppingCriteriaList(criteria or [])
-        criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
-    if criteria is not None and not eos and B > 1:
-        _refuse("stopping criteria with batch size > 1 and no eos_token_id",
-                "plain decoding keeps generating rows its criteria stopped unless an EOS id is set")
+    criteria = _stopping_criteria(stopping_criteria, int(gc.max_length), eos, stop_strings, tokenizer, B)
     opts = dict(
         num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
         sparse_attn_algorithm=sparse_attn_algorithm, sparse_attn_ratio=sparse_attn_ratio,
@@ -737,29 +714,59 @@ def generate(
         draft_weights=draft_weights,
     )
     opts = {k: v for k, v in opts.items() if v is not None}
-    procs = logits_processor if logits_processor is not None and len(logits_processor) else None
-    warp = _plain_warpers(procs) if (procs is not None and gc.do_sample) else None
-    if warp is not None:  # sampling with temperature / top-k / top-p only: the loop's own warpers
-        procs = None
-        opts.update(temperature=warp[0], top_k=warp[1], top_p=warp[2])
+    procs = _loop_processors(logits_processor, gc, opts)
     for k, v in (vegas_options or {}).items():
         if k in _RESERVED_VEGAS_OPTIONS:
             _refuse(f"vegas_options[{k!r}]", "set it through model.generate's own arguments")
         opts[k] = v
     out = vegas_generate(
         model, input_ids, model_kwargs.get("attention_mask"),
-        max_new_tokens=max(0, max_length - T),
-        do_sample=bool(gc.do_sample),
-        eos_token_id=eos,
-        pad_token_id=pad,
-        streamer=_AfterPrompt(streamer) if (streamer is not None and forwarded) else streamer,
-        logits_processor=procs,
-        stopping_criteria=criteria,
-        **opts,
+        max_new_tokens=max(0, int(gc.max_length) - T), do_sample=bool(gc.do_sample), eos_token_id=eos,
+        pad_token_id=pad, streamer=_AfterPrompt(streamer) if forwarded else streamer,
+        logits_processor=procs, stopping_criteria=criteria, **opts,
     )
     if gc.return_dict_in_generate:
         return VegasGenerateOutput(sequences=out.sequences, stats=out.stats)
     return out.sequences
+
+
+def _eos_and_pad_ids(gc):
+    """``(eos ids list, pad id or None)`` as HF's ``generate`` resolved them into ``gc`` (pad: else
+    the first EOS); a direct call reads the config's."""
+    eos_t = getattr(gc, "_eos_token_tensor", gc.eos_token_id)
+    pad_t = getattr(gc, "_pad_token_tensor", gc.pad_token_id)
+    eos = [] if eos_t is None else [int(x) for x in torch.as_tensor(eos_t).flatten().tolist()]
+    return eos, None if pad_t is None else int(pad_t)
+
+
+def _stopping_criteria(stopping_criteria, max_length: int, eos, stop_strings, tokenizer, batch_size: int):
+    """HF's stopping criteria the loop must check itself (plus ``stop_strings``), or ``None``;
+    refuses what plain decoding would honour differently."""
+    criteria = _needed_criteria(stopping_criteria, max_length, eos)
+    if stop_strings:
+        if tokenizer is None:
+            _refuse("stop_strings without a tokenizer",
+                    "transformers does not pass `tokenizer` to a callable custom_generate; bind it with "
+                    "custom_generate=functools.partial(vegas_ext.hf.generate, tokenizer=tok)")
+        from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+
+        criteria = StoppingCriteriaList(criteria or [])
+        criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
+    if criteria is not None and not eos and batch_size > 1:
+        _refuse("stopping criteria with batch size > 1 and no eos_token_id",
+                "plain decoding keeps generating rows its criteria stopped unless an EOS id is set")
+    return criteria
+
+
+def _loop_processors(logits_processor, gc, opts: dict):
+    """HF's logits processors for the loop to apply per position, or ``None``: sampling with
+    temperature / top-k / top-p only becomes the loop's own warpers (set in ``opts``)."""
+    procs = logits_processor if logits_processor is not None and len(logits_processor) else None
+    warp = _plain_warpers(procs) if (procs is not None and gc.do_sample) else None
+    if warp is None:
+        return procs
+    opts.update(temperature=warp[0], top_k=warp[1], top_p=warp[2])
+    return None
 
 
 #: arguments of vegas_ext.generate that model.generate's own options set

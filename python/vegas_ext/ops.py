@@ -258,11 +258,18 @@ def _check_attn(op, q, k_cache, v_cache, seq_lens, block_size, scale):
         _fail(op, f"block_size must be >= 1, got {block_size}")
     if not (math.isfinite(scale) and scale > 0):
         _fail(op, f"scale must be a positive finite float, got {scale}")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != B:
-        _fail(op, f"seq_lens must have shape [B] = [{B}], got {tuple(seq_lens.shape)}")
-    if seq_lens.dtype != torch.int32:
-        _fail(op, f"seq_lens must be int32, got {seq_lens.dtype}")
+    _check_per_row(op, "seq_lens", seq_lens, B)
     return B, Q, Hq, D, Hkv, S
+
+
+def _check_per_row(op, name, t, B, like=None, like_name=""):
+    """``t`` is ``[B]`` int32 (on ``like``'s device when given)."""
+    if like is not None and t.device != like.device:
+        _fail(op, f"{name} must be on the same device as {like_name} ({like.device}), got {t.device}")
+    if t.dim() != 1 or t.shape[0] != B:
+        _fail(op, f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
+    if t.dtype != torch.int32:
+        _fail(op, f"{name} must be int32, got {t.dtype}")
 
 
 def _check_seq_lens_values(op, seq_lens, Q, S):
@@ -397,12 +404,7 @@ def _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks):
         _fail(op, f"block_scores must be float32, got {block_scores.dtype}")
     B = block_scores.shape[0]
     for name, t in (("k", k), ("num_candidates", num_candidates)):
-        if t.device != block_scores.device:
-            _fail(op, f"{name} must be on the same device as block_scores ({block_scores.device}), got {t.device}")
-        if t.dim() != 1 or t.shape[0] != B:
-            _fail(op, f"{name} must have shape [B] = [{B}], got {tuple(t.shape)}")
-        if t.dtype != torch.int32:
-            _fail(op, f"{name} must be int32, got {t.dtype}")
+        _check_per_row(op, name, t, B, block_scores, "block_scores")
     if max_k < 0:
         _fail(op, f"max_k must be >= 0, got {max_k}")
     if num_sink_blocks < 0:
@@ -483,13 +485,9 @@ def _check_draft(op, q, block_indices, tail_start, B, Hkv):
         _fail(op, f"block_indices must have shape [B, H_kv, K] = [{B}, {Hkv}, K], got {tuple(block_indices.shape)}")
     if block_indices.dtype != torch.int32:
         _fail(op, f"block_indices must be int32, got {block_indices.dtype}")
-    for name, t in (("block_indices", block_indices), ("tail_start", tail_start)):
-        if t.device != q.device:
-            _fail(op, f"{name} must be on the same device as q ({q.device}), got {t.device}")
-    if tail_start.dim() != 1 or tail_start.shape[0] != B:
-        _fail(op, f"tail_start must have shape [B] = [{B}], got {tuple(tail_start.shape)}")
-    if tail_start.dtype != torch.int32:
-        _fail(op, f"tail_start must be int32, got {tail_start.dtype}")
+    if block_indices.device != q.device:
+        _fail(op, f"block_indices must be on the same device as q ({q.device}), got {block_indices.device}")
+    _check_per_row(op, "tail_start", tail_start, B, q, "q")
 
 
 def _draft_fallback(q, k_cache, v_cache, block_indices, tail_start, seq_lens, block_size, scale):
