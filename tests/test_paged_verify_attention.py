@@ -168,3 +168,44 @@ def test_bad_input(fn):
         fn(q, kc, vc.bfloat16(), bt, lens, qsl, 3, 0.125)
     with pytest.raises(ERR, match="dtype"):
         fn(q.bfloat16(), kc, vc, bt, lens, qsl, 3, 0.125)
+
+
+# The CUDA kernel (csrc/cuda/paged_verify_attention_kernel.cuh) compiled as host C++ against the
+# software emulation (tests/cuda_emu.py); evidence of indexing and numerics, not of GPU behaviour.
+EMU_CASES = [
+    # (q_lens, seq_lens, Hq, Hkv, D, page_size)
+    ([7], [300], 9, 3, 64, 32),              # GQA 3, mid-page end
+    ([1, 5, 0, 3], [33, 161, 20, 64], 8, 2, 80, 16),  # ragged, a request without queries, D 80
+    ([12, 2], [12, 40], 4, 1, 20, 7),        # a whole prefill (48 rows: 3 passes), odd page size, D 20
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"R{len(c[0])}S{max(c[1])}H{c[2]}-{c[3]}D{c[4]}ps{c[5]}")
+def test_cuda_kernel_emulated(case, dtype):
+    from cuda_emu import load_emulator
+
+    emu = load_emulator()
+    q_lens, seq_lens, Hq, Hkv, D, ps = case
+    q, kc, vc, bt, lens, qsl = _case(q_lens, seq_lens, Hq, Hkv, D, ps, dtype, layout="flash")
+    for nq, chunk in ((7, 40), (1, 256)):  # short chunks: several CTAs per request
+        out, sc = emu.paged_verify_attention(q, kc, vc, bt, lens, qsl, nq, D ** -0.5, chunk, 0)
+        want_out, want_sc = reference.paged_verify_attention(q, kc, vc, bt, lens, qsl, nq, D ** -0.5)
+        otol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out, want_out, atol=otol, rtol=otol)
+        torch.testing.assert_close(sc, want_sc, atol=5e-5, rtol=5e-5)
+
+
+def test_cuda_kernel_emulated_checks_and_guards():
+    """Value checks on request name the argument; without them a bad request gets NaN scores."""
+    from cuda_emu import load_emulator
+
+    emu = load_emulator()
+    q, kc, vc, bt, lens, qsl = _case([3], [70], 9, 3, 64, 32, torch.float32, layout="flash")
+    bad_lens = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ERR, match="seq_lens"):
+        emu.paged_verify_attention(q, kc, vc, bt, bad_lens, qsl, 3, 0.125, 256, 1)
+    _, sc = emu.paged_verify_attention(q, kc, vc, bt, bad_lens, qsl, 3, 0.125, 256, 0)
+    assert torch.isnan(sc).all()
+    with pytest.raises(ERR, match="value_cache"):
+        emu.paged_verify_attention(q, kc, vc[:, :2], bt, lens, qsl, 3, 0.125, 256, 0)
