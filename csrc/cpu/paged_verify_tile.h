@@ -12,7 +12,9 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace vegas {
 namespace cpu {
@@ -120,34 +122,46 @@ inline void pvt_pv_page(const float* p, int64_t ps, int R, const float* v, int64
   }
 }
 
-// Softmax numerators of one row in place: s[0, n) = exp(s - m) with m = max s[0, n) (returned
-// through *m_out), s[n, n_clear) = 0; returns l = sum s[0, n). n = 0: m = -inf, l = 0. A NaN or
-// +inf score leaves l NaN (the row is poisoned, as in the reference).
-inline float pvt_softmax_row(float* s, int64_t n, int64_t n_clear, float* m_out) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) m = s[t] > m || s[t] != s[t] ? s[t] : m;
-  float l = 0.f;
-  if (n > 0) {
+// Online-softmax step of one row over one chunk of its scores s[0, nt): the row sees s[0, n)
+// (n <= 0: nothing). m / l: the row's running max and sum, updated; s[0, n) becomes
+// exp(s - m_new) (0 for -inf scores), s[n, nt) zero. Returns alpha = exp(m_old - m_new), the
+// factor of the row's earlier sums (1 when nothing changed, 0 when there were none). A NaN score
+// is skipped by the max and makes l NaN (the row is poisoned); a +inf one gives exp(inf - inf).
+inline float pvt_online_row(float* s, int64_t n, int64_t nt, float* m, float* l) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  vf mv = splat(kNegInf);
+  for (; t + VW <= n; t += VW) {
+    const vf x = ld(s + t);
+    mv = x > mv ? x : mv;
+  }
+  float cm = kNegInf;
+  for (int lane = 0; lane < VW; ++lane) cm = mv[lane] > cm ? mv[lane] : cm;
+  for (; t < n; ++t) cm = s[t] > cm ? s[t] : cm;
+  const float m_old = *m, m_new = cm > m_old ? cm : m_old;
+  float alpha = 1.f;
+  if (m_new != m_old) alpha = m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+  double acc = 0.0;
+  t = 0;
+  if (m_new != kNegInf) {
     vf lv = vf{};
-    int64_t t = 0;
     for (; t + VW <= n; t += VW) {
       const vf x = ld(s + t);
-      vf pv = vexp(x - splat(m));
-      pv = x == splat(-std::numeric_limits<float>::infinity()) ? vf{} : pv;
+      vf pv = vexp(x - splat(m_new));
+      pv = x == splat(kNegInf) ? vf{} : pv;
       st(s + t, pv);
       lv += pv;
     }
-    double acc = 0.0;
     for (int lane = 0; lane < VW; ++lane) acc += lv[lane];
     for (; t < n; ++t) {
-      s[t] = s[t] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s[t] - m);
+      s[t] = s[t] == kNegInf ? 0.f : std::exp(s[t] - m_new);
       acc += s[t];
     }
-    l = static_cast<float>(acc);
   }
-  for (int64_t t = std::max<int64_t>(n, 0); t < n_clear; ++t) s[t] = 0.f;
-  *m_out = m;
-  return l;
+  for (t = std::max<int64_t>(t, 0); t < nt; ++t) s[t] = 0.f;
+  *m = m_new;
+  *l = *l * alpha + static_cast<float>(acc);
+  return alpha;
 }
 
 }  // namespace VEGAS_ISA
