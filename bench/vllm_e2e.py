@@ -35,8 +35,9 @@ from bench.common import commit_label
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto")
-METHODS = ("none", "ngram", "vegas", "streamingllm", "vegas_auto")
+# "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto");
+# "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B)
+METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto")
 
 
 def spec_for(method, gamma, ratio, min_tokens):
@@ -47,7 +48,8 @@ def spec_for(method, gamma, ratio, min_tokens):
     from vegas_ext.vllm import speculative_config
 
     auto = method == "vegas_auto"
-    spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm="vegas" if auto else method,
+    algo = "vegas" if method in ("vegas_auto", "vegas_2pass") else method
+    spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=algo,
                               sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens)
     return dict(spec, gamma_policy="auto" if auto else "fixed")
 
@@ -218,7 +220,7 @@ def summarize(rows, cfg):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vegas_2pass"], choices=METHODS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--new-tokens", type=int, default=64)
@@ -262,6 +264,8 @@ def main():
                    TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
         if m in ("none", "ngram"):
             env["VLLM_PLUGINS"] = ""
+        if m == "vegas_2pass":
+            env["VEGAS_VLLM_ONE_PASS"] = "0"
         cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
                "--contexts", *map(str, args.contexts),
                "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),

@@ -986,8 +986,14 @@ def paged_verify_attention(
         RuntimeError / ValueError naming the argument, as :func:`paged_block_scores`, plus a
         ``value_cache`` whose shape, dtype or device differs from ``key_cache``'s.
 
-    CPU kernel (csrc/cpu/paged_verify_attention.cpp). CUDA tensors use the checked plain-PyTorch
-    reference (no CUDA kernel yet).
+    A NaN or infinite score poisons its row's output (NaN, as in the reference) but adds no mass
+    to the scores (the reference gives NaN pages).
+
+    CPU kernel (csrc/cpu/paged_verify_attention.cpp) and CUDA kernel (SIMT, emulator-checked, not
+    yet run on a GPU): like the other CUDA kernels it runs only when enabled
+    (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`), else CUDA tensors use the
+    checked plain-PyTorch reference. Without ``VEGAS_CUDA_VALUE_CHECKS=1`` the CUDA kernel makes no
+    host sync: a request with out-of-range lengths gets NaN scores and no output.
     """
     return torch.ops.vegas.paged_verify_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                                                   num_queries, scale)
