@@ -113,7 +113,7 @@ def one_pass_applies(impl, attn_metadata) -> bool:
     a float cache."""
     return (ONE_PASS and _collecting(impl, attn_metadata) and not impl.is_fp8_kv_cache
             and attn_metadata.max_query_len <= impl.vegas_state.num_queries and attn_metadata.causal
-            and not getattr(attn_metadata, "dynamic_causal", False) and impl.alibi_slopes is None
+            and getattr(attn_metadata, "dynamic_causal", None) is None and impl.alibi_slopes is None
             and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None)
 
 
