@@ -109,9 +109,11 @@ def one_pass_applies(impl, attn_metadata) -> bool:
     """Whether this forward runs :func:`vegas_ext.ops.paged_verify_attention` instead of vLLM's
     kernel plus :func:`vegas_ext.ops.paged_block_scores`: a target forward that collects scores,
     every request with at most γ + 1 new tokens (decode / verification; a prefill chunk keeps
-    vLLM's kernel), a plain causal decoder layer (no ALiBi, sliding window, soft-cap or sinks) and
-    a float cache."""
-    return (ONE_PASS and _collecting(impl, attn_metadata) and not impl.is_fp8_kv_cache
+    vLLM's kernel), a plain causal decoder layer (no ALiBi, sliding window, soft-cap or sinks), a
+    float cache, and the op's compiled CPU kernel (an extension built from older sources has none;
+    its PyTorch reference would be far slower than the two passes)."""
+    return (ONE_PASS and ops._COMPILED.get(("paged_verify_attention", "cpu"), False)  # else the slow reference
+            and _collecting(impl, attn_metadata) and not impl.is_fp8_kv_cache
             and attn_metadata.max_query_len <= impl.vegas_state.num_queries and attn_metadata.causal
             and getattr(attn_metadata, "dynamic_causal", None) is None and impl.alibi_slopes is None
             and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None)
