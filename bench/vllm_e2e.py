@@ -8,6 +8,12 @@ Run in the vLLM venv (scripts/test_vllm.sh makes one):
 
 One engine per method, each in its own process (the stock methods with the plugin filtered out of
 every vLLM process, ``VLLM_PLUGINS=""``), all methods in one invocation, one after the other.
+``--verify-cost`` instead times one verification's attention per layer (SmolLM2's shapes, γ + 1
+queries per request, vLLM's CPU_ATTN cache of ``--block-size`` pages, ``--layers`` distinct caches
+cycled so that the keys come from memory as in a forward): vLLM's own kernel
+(``cpu_attention_with_kv_cache``), that kernel plus ``paged_block_scores`` (the plugin before
+issue 32), and ``paged_verify_attention`` (output and scores in one pass), alternating, medians.
+
 Per (context, batch) cell: B prompts of ``context`` tokens of real text (different offsets of
 *Pride and Prejudice*), first generated with ``max_tokens=1`` so that the prompts sit in vLLM's
 prefix cache, then again with ``max_tokens=new_tokens`` (greedy, EOS ignored), timed: output
@@ -29,8 +35,9 @@ from bench.common import commit_label
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto")
-METHODS = ("none", "ngram", "vegas", "streamingllm", "vegas_auto")
+# "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto");
+# "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B)
+METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto")
 
 
 def spec_for(method, gamma, ratio, min_tokens):
@@ -41,7 +48,8 @@ def spec_for(method, gamma, ratio, min_tokens):
     from vegas_ext.vllm import speculative_config
 
     auto = method == "vegas_auto"
-    spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm="vegas" if auto else method,
+    algo = "vegas" if method in ("vegas_auto", "vegas_2pass") else method
+    spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=algo,
                               sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens)
     return dict(spec, gamma_policy="auto" if auto else "fixed")
 
@@ -98,6 +106,84 @@ def worker(args):
                       + (f"  MAL {row['mean_acceptance_length']:.2f}" if drafts else ""), flush=True)
 
 
+def _verify_cost_cell(ctx, B, args, g):
+    """Median ms per layer of the three ways (see verify_cost) for one (context, batch) cell."""
+    import statistics
+
+    import torch
+    from vllm import _custom_ops as vops
+
+    from vegas_ext import ops
+    from vegas_ext.vllm.backend import key_cache_view, value_cache_view
+
+    Hq, Hkv, D, ps, nq = 9, 3, 64, args.block_size, args.gamma + 1
+    scale = D ** -0.5
+    pages = -(-ctx // ps)
+    NB = B * pages + 1
+    caches = [torch.randn(NB, Hkv, ps, 2 * D, generator=g) for _ in range(args.layers)]
+    bt = (torch.randperm(NB - 1, generator=g)[: B * pages].view(B, pages)).int()
+    lens = torch.full((B,), ctx, dtype=torch.int32)
+    qsl = torch.arange(0, (B + 1) * nq, nq, dtype=torch.int32)
+    q = torch.randn(B * nq, Hq, D, generator=g)
+    out = torch.empty_like(q)
+    meta = vops.cpu_attn_get_scheduler_metadata(B, Hq, Hkv, D, lens, torch.float32, qsl, True, -1, "vec", True)
+
+    def stock(kv):
+        kc, vc = kv.view(NB, Hkv, 2 * ps, D).chunk(2, dim=2)
+        vops.cpu_attention_with_kv_cache(q, kc, vc, out, qsl, lens, scale, True, None, -1, bt, 0.0, meta, None)
+
+    def two_pass(kv):
+        stock(kv)
+        ops.paged_block_scores(q, key_cache_view(kv), bt, lens, qsl, nq, scale)
+
+    def one_pass(kv):
+        o, _ = ops.paged_verify_attention(q, key_cache_view(kv), value_cache_view(kv), bt, lens, qsl, nq, scale)
+        out.copy_(o)
+
+    fns = {"vllm": stock, "vllm+paged_block_scores": two_pass, "paged_verify_attention": one_pass}
+    times = {k: [] for k in fns}
+    for _ in range(args.repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for kv in caches:
+                fn(kv)
+            times[name].append((time.perf_counter() - t) / len(caches))
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def verify_cost(args):
+    """Attention of one verification per layer, three ways (see the module docstring); prints and
+    writes ``verify_cost.jsonl`` / ``verify_cost.md`` under ``args.out``."""
+    import torch
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for ctx in args.contexts:
+        for B in args.batches:
+            med = _verify_cost_cell(ctx, B, args, g)
+            rows.append({"context": ctx, "batch": B, "queries": args.gamma + 1, "block_size": args.block_size,
+                         "threads": torch.get_num_threads(), "ms_per_layer": med})
+            print(f"ctx {ctx:>5} B {B:>2}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
+                  + f"; one pass / vllm {med['paged_verify_attention'] / med['vllm']:.2f}x, "
+                  f"two passes / vllm {med['vllm+paged_block_scores'] / med['vllm']:.2f}x", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "verify_cost.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    lines = ["| context | batch | vLLM ms/layer | + paged_block_scores | paged_verify_attention | one pass / vLLM "
+             "| two passes / vLLM |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["ms_per_layer"]
+        lines.append(f"| {r['context']} | {r['batch']} | {m['vllm']:.3f} | {m['vllm+paged_block_scores']:.3f} | "
+                     f"{m['paged_verify_attention']:.3f} | {m['paged_verify_attention'] / m['vllm']:.2f}x | "
+                     f"{m['vllm+paged_block_scores'] / m['vllm']:.2f}x |")
+    head = (f"Attention of one verification per layer: SmolLM2 shapes (9 / 3 heads, D 64), fp32, {args.gamma + 1} "
+            f"queries per request, block {args.block_size}, {args.layers} layer caches cycled, medians of "
+            f"{args.repeats}, {rows[0]['threads'] if rows else '?'} threads, commit {commit_label()}.\n\n")
+    with open(os.path.join(args.out, "verify_cost.md"), "w") as f:
+        f.write(head + "\n".join(lines) + "\n")
+
+
 def summarize(rows, cfg):
     base = {(r["context"], r["batch"]): r for r in rows if r["method"] == "none"}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
@@ -136,7 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv[1:]``); ``--method`` / ``--worker-out`` (hidden)
     make the process one method's worker."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vegas_2pass"], choices=METHODS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--new-tokens", type=int, default=64)
@@ -148,6 +234,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "tmp", "vllm_e2e"))
     p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--verify-cost", action="store_true",
+                   help="time one verification's attention per layer: vLLM's kernel, + paged_block_scores, "
+                        "paged_verify_attention (no engine)")
+    p.add_argument("--layers", type=int, default=10, help="--verify-cost: distinct layer caches cycled")
+    p.add_argument("--repeats", type=int, default=7, help="--verify-cost: rounds (medians)")
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -177,6 +268,8 @@ def run_method(args: argparse.Namespace, m: str, runs: str) -> None:
                TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
     if m in ("none", "ngram"):
         env["VLLM_PLUGINS"] = ""
+    if m == "vegas_2pass":
+        env["VEGAS_VLLM_ONE_PASS"] = "0"
     cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
            "--contexts", *map(str, args.contexts),
            "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
@@ -191,6 +284,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.method:
         return worker(args)
+    if args.verify_cost:
+        return verify_cost(args)
     os.makedirs(args.out, exist_ok=True)
     runs = os.path.join(args.out, "runs.jsonl")
     if os.path.exists(runs):

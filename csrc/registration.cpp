@@ -48,6 +48,12 @@ TORCH_LIBRARY(vegas, m) {
   m.def(
       "paged_block_scores(Tensor q, Tensor key_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, int num_queries, float scale) -> Tensor");
+  // paged_block_scores' page scores together with the attention output of every query, in one
+  // pass over the paged cache (Vegas's verification inside a paged engine).
+  m.def(
+      "paged_verify_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale) -> (Tensor out, "
+      "Tensor block_scores)");
   // y = x . W^T (+ bias) on fp32 rows against fp16 or int8 weights (group scales), fp32 sums:
   // the low-precision linears of Vegas's draft forwards (python/vegas_ext/draft_weights.py).
   m.def(

@@ -58,7 +58,8 @@ def test_cuda_kernels_compiled_in_this_build():
         pytest.skip("no CUDA build of torch or no CUDA toolkit: setup.py builds CPU kernels only")
     if not ops.EXTENSION_LOADED:
         pytest.fail("vegas_ext._C is not built")
-    for op in ("verify_attention", "block_topk", "sparse_draft_attention", "paged_block_scores"):
+    for op in ("verify_attention", "block_topk", "sparse_draft_attention", "paged_block_scores",
+               "paged_verify_attention"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"vegas::{op}", "CUDA"), (
             f"vegas::{op} has no CUDA kernel although torch {torch.__version__} is a CUDA "
             f"build and CUDA_HOME={cpp_extension.CUDA_HOME}: rebuild with "

@@ -26,6 +26,8 @@ SIGNATURES = {
     "quest_block_scores": (["q", "key_min", "key_max", "num_blocks"], {}, {"num_blocks"}),
     "paged_block_scores": (["q", "key_cache", "block_table", "seq_lens", "query_start_loc", "num_queries", "scale"],
                            {}, {"seq_lens"}),
+    "paged_verify_attention": (["q", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc",
+                                "num_queries", "scale"], {}, {"seq_lens"}),
 }
 
 
@@ -75,6 +77,7 @@ def _cases():
         "block_minmax_update": ((kmin, kmax, k, full(B, 37), full(B, 0), bs), {"seq_lens": 37, "start": 0}),
         "quest_block_scores": ((q, kmin + torch.rand_like(kmin), kmax + 1, full(B, 7)), {"num_blocks": 7}),
         "paged_block_scores": ((qp, kc, bt, full(2, 40), qsl, 3, D ** -0.5), {"seq_lens": 40}),
+        "paged_verify_attention": ((qp, kc, kc.flip(0), bt, full(2, 40), qsl, 3, D ** -0.5), {"seq_lens": 40}),
     }
 
 

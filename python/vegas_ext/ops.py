@@ -1159,3 +1159,112 @@ def _sm_fake(gate_up):
 torch.library.register_autograd("vegas::silu_mul", _no_backward("silu_mul"))
 silu_mul = _make_dispatching("silu_mul", silu_mul, _sm_fallback)
 __all__.append("silu_mul")
+
+
+# ---------------------------------------------------------------------------
+# paged_verify_attention (verification attention and page scores in one pass, inside vLLM)
+# ---------------------------------------------------------------------------
+_PVA_SCHEMA = ("paged_verify_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+               "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale) -> (Tensor out, "
+               "Tensor block_scores)")
+if not has_compiled_kernel("paged_verify_attention", "cpu") and not hasattr(torch.ops.vegas, "paged_verify_attention"):
+    # no build, or a build from older sources: the schema only, served by the reference below
+    _pva_lib = torch.library.Library("vegas", "FRAGMENT")  # pragma: no cover
+    _pva_lib.define(_PVA_SCHEMA)  # pragma: no cover
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("paged_verify_attention", _dev)] = has_compiled_kernel("paged_verify_attention", _dev)
+
+
+def paged_verify_attention(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Union[Tensor, int],
+    query_start_loc: Tensor,
+    num_queries: int,
+    scale: float,
+) -> Tuple[Tensor, Tensor]:
+    """Verification attention over a paged KV cache and its page scores, in one pass.
+
+    Vegas's verification inside a paged engine (vLLM): the causal attention output of every
+    packed query AND :func:`paged_block_scores` of the same call (the selection signal), computed
+    from one read of each request's keys and values instead of the engine's attention followed by
+    a second pass over the keys. Packed-batch layout of vLLM: request ``r`` owns query rows
+    ``[query_start_loc[r], query_start_loc[r+1])``, its ``q_len`` queries sit at positions
+    ``seq_lens[r] - q_len ... seq_lens[r] - 1``, query ``i`` sees tokens
+    ``t <= seq_lens[r] - q_len + i`` (its own K/V must already be in the cache).
+
+    Args:
+        q: ``[T, H_q, D]`` float32/bfloat16/float16, any strides.
+        key_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, any strides. vLLM's CPU cache
+            stores a page's keys ``[D, page_size]``: pass
+            :func:`vegas_ext.vllm.backend.key_cache_view` (the kernel reads tokens-contiguous
+            pages fastest).
+        value_cache: same shape and dtype as ``key_cache``, any strides (vLLM's CPU cache: the V
+            half, ``[page_size, D]`` per page, :func:`vegas_ext.vllm.backend.value_cache_view`).
+        block_table: ``[R, max_pages]`` int32, physical page of each logical page; only the first
+            ``ceil(seq_lens[r] / page_size)`` entries of a request with queries are read.
+        seq_lens: ``[R]`` int32 in ``[q_len, max_pages * page_size]``, or a Python int for all.
+        query_start_loc: ``[R + 1]`` int32, non-decreasing, starting at 0, ending ``<= T``.
+        num_queries: ``>= 1``; the last ``min(q_len, num_queries)`` queries of each request are
+            scored (γ + 1 on a verification).
+        scale: softmax scale of ``q . k`` (usually ``D ** -0.5``).
+
+    Returns:
+        ``(out, block_scores)``: ``out`` ``[T, H_q, D]`` dtype of q (fp32 accumulation; rows past
+        ``query_start_loc[R]`` are zero); ``block_scores`` ``[R, H_kv, max_pages]`` float32, the
+        probability mass of each page summed over the scored queries and the G query heads of
+        each KV head, as :func:`paged_block_scores` (a request's row sums to
+        ``G * min(q_len, num_queries)``; zero past its pages and for requests without queries).
+
+    Raises:
+        RuntimeError / ValueError naming the argument, as :func:`paged_block_scores`, plus a
+        ``value_cache`` whose shape, dtype or device differs from ``key_cache``'s.
+
+    A NaN or infinite score poisons its row's output (NaN, as in the reference) but adds no mass
+    to the scores (the reference gives NaN pages).
+
+    CPU kernel (csrc/cpu/paged_verify_attention.cpp) and CUDA kernel (SIMT, emulator-checked, not
+    yet run on a GPU): like the other CUDA kernels it runs only when enabled
+    (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`), else CUDA tensors use the
+    checked plain-PyTorch reference. Without ``VEGAS_CUDA_VALUE_CHECKS=1`` the CUDA kernel makes no
+    host sync: a request with out-of-range lengths gets NaN scores and no output.
+    """
+    return torch.ops.vegas.paged_verify_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                                  num_queries, scale)
+
+
+def _check_pva(op, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
+    R, Hkv, P = _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    if value_cache.dim() != 4 or tuple(value_cache.shape) != tuple(key_cache.shape):
+        _fail(op, f"value_cache must have key_cache's shape [num_pages, H_kv, page_size, D] = "
+                  f"{tuple(key_cache.shape)}, got {tuple(value_cache.shape)}")
+    if value_cache.dtype != key_cache.dtype:
+        _fail(op, f"value_cache dtype ({value_cache.dtype}) must equal q dtype ({key_cache.dtype})")
+    if value_cache.device != key_cache.device:
+        _fail(op, f"value_cache must be on the same device as key_cache ({key_cache.device}), got {value_cache.device}")
+    return R, Hkv, P
+
+
+def _pva_fallback(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
+    _check_pva("paged_verify_attention", q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+               num_queries, scale)
+    # value checks and the scores: paged_block_scores' checked path
+    scores = _paged_fallback(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    out, _ = reference.paged_verify_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, 1,
+                                              scale)
+    return out, scores
+
+
+@torch.library.register_fake("vegas::paged_verify_attention")
+def _pva_fake(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
+    R, Hkv, P = _check_pva("paged_verify_attention", q, key_cache, value_cache, block_table, seq_lens,
+                           query_start_loc, num_queries, scale)
+    return q.new_empty(q.shape), q.new_empty((R, Hkv, P), dtype=torch.float32)
+
+
+torch.library.register_autograd("vegas::paged_verify_attention", _no_backward("paged_verify_attention"))
+paged_verify_attention = _make_dispatching("paged_verify_attention", paged_verify_attention, _pva_fallback,
+                                           ("seq_lens",), rows_from=3)  # R = block_table.shape[0]
+__all__.append("paged_verify_attention")

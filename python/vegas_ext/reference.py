@@ -27,6 +27,7 @@ __all__ = [
     "block_minmax_update",
     "quest_block_scores",
     "paged_block_scores",
+    "paged_verify_attention",
     "weight_only_linear",
     "rope_kv_write",
     "add_rms_norm",
@@ -234,6 +235,43 @@ def paged_block_scores(
         p = torch.nn.functional.pad(p, (0, npg * ps - L)).view(Hkv, npg, ps).sum(-1)
         out[r, :, :npg] = p
     return out
+
+
+def paged_verify_attention(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    num_queries: int,
+    scale: float,
+) -> Tuple[Tensor, Tensor]:
+    """Reference of :func:`vegas_ext.ops.paged_verify_attention` (same contract): causal attention
+    of every packed query over its request's pages (fp32 math), and
+    :func:`paged_block_scores` of the same call."""
+    R = block_table.shape[0]
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, ps = key_cache.shape[1], key_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for r in range(R):
+        q0, q1, L = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(seq_lens[r])
+        ql = q1 - q0
+        if ql <= 0:
+            continue
+        npg = -(-L // ps)
+        pages = block_table[r, :npg].long()
+        k = key_cache[pages].float().permute(1, 0, 2, 3).reshape(Hkv, npg * ps, D)[:, :L]
+        v = value_cache[pages].float().permute(1, 0, 2, 3).reshape(Hkv, npg * ps, D)[:, :L]
+        qr = q[q0:q1].float().view(ql, Hkv, G, D)
+        s = torch.einsum("nhgd,htd->hgnt", qr, k) * scale  # [H_kv, G, ql, L]
+        pos = torch.arange(L - ql, L, device=q.device).view(1, 1, ql, 1)
+        s = s.masked_fill(torch.arange(L, device=q.device).view(1, 1, 1, L) > pos, float("-inf"))
+        o = torch.einsum("hgnt,htd->nhgd", torch.softmax(s, dim=-1), v)  # [ql, H_kv, G, D]
+        out[q0:q1] = o.reshape(ql, Hq, D)
+    scores = paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    return out.to(q.dtype), scores
 
 
 def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,

@@ -29,7 +29,7 @@ def test_cpu_key_layout():
     import torch
     from vllm import _custom_ops as vops
 
-    from vegas_ext.vllm.backend import PLAIN_KEY_ISAS, key_cache_view
+    from vegas_ext.vllm.backend import PLAIN_KEY_ISAS, key_cache_view, value_cache_view
 
     for isa in PLAIN_KEY_ISAS:
         for dt in (torch.float32, torch.bfloat16):
@@ -40,9 +40,10 @@ def test_cpu_key_layout():
             slots = torch.tensor([0, 33, 70, 95, 127])
             vops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                             kv_cache_dtype="auto")
-            view = key_cache_view(kv)
+            view, vview = key_cache_view(kv), value_cache_view(kv)
             for i, s in enumerate(slots.tolist()):
                 assert torch.equal(view[s // bs, :, s % bs], key[i]), (isa, dt, s)
+                assert torch.equal(vview[s // bs, :, s % bs], val[i]), (isa, dt, s)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,17 @@ def test_greedy_identical_to_stock_vllm(greedy_runs, algo):
     for i, (a, b) in enumerate(zip(stock, ours)):
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert a == b, f"prompt {i} ({LENGTHS[i]} tokens): first difference at {first}"
+
+
+def test_vegas_verifies_in_one_pass(greedy_runs):
+    """Decode / verification forwards take the one-pass kernel (output + page scores); only the
+    prefill forwards (whole prompts here) keep vLLM's kernel plus paged_block_scores; StreamingLLM
+    collects no scores."""
+    s = greedy_runs["vegas"]["stats"]
+    assert s["one_pass_layer_calls"] > 0, s
+    assert s["two_pass_layer_calls"] < s["one_pass_layer_calls"], s
+    s = greedy_runs["streamingllm"]["stats"]
+    assert s["one_pass_layer_calls"] == 0 and s["two_pass_layer_calls"] == 0, s
 
 
 @pytest.mark.parametrize("algo", ["vegas", "streamingllm"])

