@@ -560,6 +560,7 @@ def run_records(h: Harness, cell: Dict[str, Any], results: Dict[str, Any], cell_
             "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),
             "identical_to_hf": (r["tokens"] == results["hf"][1]["tokens"]) if "hf" in results else None,
             "prefill_reused": s.get("prefill_reused"),
+            "prefill_miss": s.get("prefill_miss"),
             "draft_weights_bytes": s.get("draft_weights_bytes"),
             "cell_prefill_s": cell_prefill_s,
             "time_select_inline_s": s.get("time_select_inline_s"),
