@@ -76,8 +76,11 @@ def worker(args):
     ids = tok(load_document("pride_and_prejudice"))["input_ids"]
     spec = spec_for(args.method, args.gamma, args.ratio, args.min_tokens)
     t0 = time.perf_counter()
+    # γ + 1 positions of headroom: vLLM's runner skips the drafter for the whole batch (ngram included)
+    # once its longest request is within γ of max_model_len, and then verifies γ token-0 drafts
+    # per request, which would measure that cut-off instead of the method near the end of a cell.
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, block_size=args.block_size, seed=0,
-              max_model_len=max(args.contexts) + args.new_tokens, enable_prefix_caching=True,
+              max_model_len=max(args.contexts) + args.new_tokens + args.gamma + 1, enable_prefix_caching=True,
               disable_log_stats=False, speculative_config=spec, max_num_seqs=max(args.batches))
     init_s = time.perf_counter() - t0
     with open(args.worker_out, "a") as f:

@@ -6,7 +6,8 @@ vLLM's processes).
 
 CONFIG: ``{"llm": {LLM kwargs}, "prompts": [token id lists], "sampling": {SamplingParams kwargs},
 "n_seeds": optional int (one request per seed, same prompt; seeds from "seed_offset", default 0),
-"n_copies": optional int (unseeded copies), "expect_error": optional bool}``.
+"n_copies": optional int (unseeded copies), "max_tokens_per_prompt": optional list (overrides
+"sampling"'s max_tokens per prompt), "expect_error": optional bool}``.
 OUT: ``{"outputs": [[token ids]], "metrics": {name: value}, "seconds": {"init": s, "generate": s},
 "error": optional str}``.
 """
@@ -50,6 +51,8 @@ def main(cfg_path, out_path):
     elif cfg.get("n_copies"):  # unseeded copies: the engine's own random stream
         params = SamplingParams(**sp)
         prompts = prompts * cfg["n_copies"]
+    elif cfg.get("max_tokens_per_prompt"):  # one SamplingParams per prompt, differing in max_tokens only
+        params = [SamplingParams(**dict(sp, max_tokens=n)) for n in cfg["max_tokens_per_prompt"]]
     else:
         params = SamplingParams(**sp)
     t1 = time.perf_counter()

@@ -171,6 +171,32 @@ def _wrap_propose(GPUModelRunner, undo: _Undo) -> None:
     undo.set(GPUModelRunner, "propose_draft_token_ids", propose_draft_token_ids)
 
 
+def _wrap_input_fits(GPUModelRunner, undo: _Undo) -> None:
+    """Keep vLLM's runner from cutting the Vegas drafter off for the whole batch near ``max_model_len``.
+
+    The stock ``_input_fits_in_drafter`` is False as soon as the batch's longest request is within γ
+    positions of ``max_model_len``; the runner then skips the drafter and schedules γ token-0 drafts
+    for *every* request, which are verified and rejected (lossless, but a wasted verification and a
+    lower acceptance for the rest of the batch, whose length decides when it happens).
+    :class:`~vegas_ext.vllm.proposer.VegasProposer` caps each request's drafts at its own remaining
+    positions and reserved slots (the scheduler also trims at ``max_model_len``), so it can always
+    run. Other drafters keep the stock check. Skipped on a vLLM without the method (an optimization,
+    not needed for correct output)."""
+    orig = getattr(GPUModelRunner, "_input_fits_in_drafter", None)
+    if orig is None:
+        return
+
+    @functools.wraps(orig)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        from .proposer import VegasProposer
+
+        if isinstance(getattr(self, "drafter", None), VegasProposer):
+            return common_attn_metadata is not None
+        return orig(self, common_attn_metadata)
+
+    undo.set(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+
+
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 _STOCK_EXPAND = None  # vLLM's stand-in, once replaced
 
@@ -279,6 +305,7 @@ def _install_hooks(current_platform, undo: _Undo) -> None:
     _wrap_create_speculative_config(EngineArgs, undo)
     _patch_lookahead(VllmConfig, undo)
     _wrap_propose(GPUModelRunner, undo)
+    _wrap_input_fits(GPUModelRunner, undo)
     # the backend override comes last: it is the one step the undo log cannot take back
     if current_platform.is_cpu():
         _fix_cpu_expand_kernel(undo)
