@@ -95,7 +95,8 @@ class GenerateOutput:
 # =========================================================================== decoding state
 @dataclass
 class DecodeSettings:
-    """What one :func:`generate` call fixes before its first forward and never changes.
+    """What one :func:`generate` call fixes and never changes (``lean_draft`` is built at the first
+    draft step, where the draft weights are installed).
 
     Attributes:
         model, fwd_kw: the HF model and the name of its cache argument.
@@ -105,7 +106,8 @@ class DecodeSettings:
         compact: whether finished rows leave the batch.
         streamer: optional HF streamer (batch size 1).
         draft_weights: the :class:`~vegas_ext.draft_weights.DraftWeights` the draft forwards' linears
-            read, or ``None`` (the model's own).
+            read, or ``None`` (the model's own); ``lean_draft``: the draft steps' forward
+            (:class:`~vegas_ext.draft_forward.LeanDraft`, ``False``: the model's own; ``None``: not built yet).
         logits_processor, stopping_criteria: optional HF-style ``(input_ids [n, L], scores) -> ...``
             callables applied per position as plain decoding applies them
             (:meth:`DecodeState.process`, :meth:`DecodeState.stop_positions`); ``prompt_ids``:
@@ -125,6 +127,7 @@ class DecodeSettings:
     compact: bool = True
     streamer: object = None
     draft_weights: object = None
+    lean_draft: object = None  # the draft forward (draft_forward.LeanDraft; False: the model's), made on first draft
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None
     prompt_ids: Optional[Tensor] = None
@@ -168,7 +171,6 @@ class DecodeState:
     selected: bool = False
     scores_fresh: bool = True
     prefill_miss: Optional[str] = None
-    lean_draft: object = None  # the draft forward (draft_forward.LeanDraft; False: the model's), made on first draft
 
     def forward(self, ids: Tensor, pos: Tensor, keep: int) -> Tensor:
         """One model forward over ``ids`` ``[B, Q]`` at positions ``pos`` into the cache; returns
@@ -481,10 +483,11 @@ def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
     """``(ids [B, 1], pos [B, 1]) -> logits [B, 1, V]`` of a draft step: the lean forward of
     :mod:`vegas_ext.draft_forward` where it reproduces the model (fewer ops per layer; drafts only,
     so the output is unchanged), else the model's own. ``VEGAS_LEAN_DRAFT=0`` turns it off."""
-    if state.lean_draft is None:
+    cfg = state.settings
+    if cfg.lean_draft is None:  # fixed for the call, built where the draft weights are installed
         on = os.environ.get("VEGAS_LEAN_DRAFT", "1") != "0"
-        state.lean_draft = (lean_draft(state.settings.model, state.settings.draft_weights) if on else None) or False
-    lean, st = state.lean_draft, state.attn
+        cfg.lean_draft = (lean_draft(cfg.model, cfg.draft_weights) if on else None) or False
+    lean, st = cfg.lean_draft, state.attn
     if lean is False:
         return lambda ids, pos: state.forward(ids, pos, 1)
     return lambda ids, pos: lean(ids, pos, st)
