@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace vegas {
@@ -236,6 +238,14 @@ inline PagedShape check_paged_inputs(const char* op, const at::Tensor& q, const 
                     block_table.size(1), key_cache.size(0)};
 }
 
+// score_block_size of paged_verify_attention: tokens per score (None: page_size), >= 1.
+inline int64_t paged_score_block_size(const char* op, std::optional<int64_t> score_block_size,
+                                      int64_t page_size) {
+  const int64_t b = score_block_size.value_or(page_size);
+  TORCH_CHECK(b >= 1, op, ": score_block_size must be >= 1 (or None for page_size), got ", b);
+  return b;
+}
+
 // Value checks of paged_block_scores on host copies: query_start_loc [R + 1], seq_lens [R] and
 // block_table [R, max_pages] (row-major): the page ids a request with queries reads.
 inline void check_paged_values(const char* op, const int32_t* qsl, const int32_t* lens,
@@ -253,6 +263,51 @@ inline void check_paged_values(const char* op, const int32_t* qsl, const int32_t
     for (int64_t j = 0; j < ceil_div(lens[r], ps); ++j)
       TORCH_CHECK(bt[r * P + j] >= 0 && bt[r * P + j] < NP, op, ": block_table[", r, ", ", j,
                   "] = ", bt[r * P + j], " must lie in [0, num_pages) = [0, ", NP, ")");
+  }
+}
+
+// value_cache against key_cache (shape, dtype, device): the values of the same pages.
+inline void check_paged_values_cache(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(value_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), op,
+              ": value_cache must have key_cache's shape [num_pages, H_kv, page_size, D] = ", key_cache.sizes(),
+              ", got ", value_cache.sizes());
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache dtype (",
+              value_cache.scalar_type(), ") must equal q dtype (", key_cache.scalar_type(), ")");
+  check_same_device(op, key_cache, "key_cache", value_cache, "value_cache");
+}
+
+// token_indices [R, H_kv, K] int32 and tail_start [R] int32 of paged_sparse_draft_attention.
+inline void check_paged_draft_inputs(const char* op, const at::Tensor& q, const at::Tensor& token_indices,
+                                     const at::Tensor& tail_start, const PagedShape& s) {
+  check_same_device(op, q, "q", token_indices, "token_indices");
+  check_same_device(op, q, "q", tail_start, "tail_start");
+  TORCH_CHECK(token_indices.dim() == 3 && token_indices.size(0) == s.R && token_indices.size(1) == s.Hkv &&
+                  token_indices.scalar_type() == at::kInt,
+              op, ": token_indices must be int32 [R, H_kv, K] = [", s.R, ", ", s.Hkv, ", K], got ",
+              token_indices.scalar_type(), " ", token_indices.sizes());
+  check_int32_vector(op, tail_start, "tail_start", s.R);
+}
+
+// Values of paged_sparse_draft_attention (after check_paged_values): tail_start[r] in
+// [0, seq_lens[r] - q_len] for a request with queries; each token_indices row holds strictly
+// ascending tokens >= 0, then -1 padding only.
+inline void check_paged_draft_values(const char* op, const int32_t* qsl, const int32_t* lens, const int32_t* idx,
+                                     const int32_t* tail, int64_t K, const PagedShape& s) {
+  for (int64_t r = 0; r < s.R; ++r) {
+    const int64_t ql = int64_t(qsl[r + 1]) - qsl[r];
+    if (ql == 0) continue;
+    TORCH_CHECK(tail[r] >= 0 && tail[r] <= lens[r] - ql, op, ": tail_start[", r, "] = ", tail[r],
+                " must lie in [0, seq_lens - q_len] = [0, ", lens[r] - ql, "]");
+    for (int64_t g = 0; g < s.Hkv; ++g) {
+      const int32_t* row = idx + (r * s.Hkv + g) * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const bool pad_ok = row[k] == -1 && (k + 1 == K || row[k + 1] == -1);
+        const bool asc_ok = row[k] >= 0 && (k + 1 == K || row[k + 1] == -1 || row[k + 1] > row[k]);
+        TORCH_CHECK(pad_ok || asc_ok, op, ": token_indices[", r, ", ", g, "] must hold strictly ascending ",
+                    "tokens >= 0 then -1 padding, got ", row[k], " at ", k,
+                    k + 1 < K ? " before " : "", k + 1 < K ? std::to_string(row[k + 1]) : std::string());
+      }
+    }
   }
 }
 

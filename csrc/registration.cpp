@@ -49,11 +49,18 @@ TORCH_LIBRARY(vegas, m) {
       "paged_block_scores(Tensor q, Tensor key_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, int num_queries, float scale) -> Tensor");
   // paged_block_scores' page scores together with the attention output of every query, in one
-  // pass over the paged cache (Vegas's verification inside a paged engine).
+  // pass over the paged cache (Vegas's verification inside a paged engine); score_block_size
+  // (default: the page size) sets the tokens per score, 1 for token-granular selection.
   m.def(
       "paged_verify_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-      "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale) -> (Tensor out, "
-      "Tensor block_scores)");
+      "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale, "
+      "int? score_block_size=None) -> (Tensor out, Tensor block_scores)");
+  // Draft attention over a paged cache at token granularity: each query head attends to its KV
+  // head's selected tokens before tail_start (block size 1) plus the whole tail, causally.
+  m.def(
+      "paged_sparse_draft_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor token_indices, Tensor tail_start, float scale) -> "
+      "Tensor");
   // y = x . W^T (+ bias) on fp32 rows against fp16 or int8 weights (group scales), fp32 sums:
   // the low-precision linears of Vegas's draft forwards (python/vegas_ext/draft_weights.py).
   m.def(

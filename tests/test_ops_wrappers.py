@@ -27,7 +27,10 @@ SIGNATURES = {
     "paged_block_scores": (["q", "key_cache", "block_table", "seq_lens", "query_start_loc", "num_queries", "scale"],
                            {}, {"seq_lens"}),
     "paged_verify_attention": (["q", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc",
-                                "num_queries", "scale"], {}, {"seq_lens"}),
+                                "num_queries", "scale", "score_block_size"], {"score_block_size": None},
+                               {"seq_lens"}),
+    "paged_sparse_draft_attention": (["q", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc",
+                                      "token_indices", "tail_start", "scale"], {}, {"seq_lens", "tail_start"}),
 }
 
 
@@ -78,6 +81,9 @@ def _cases():
         "quest_block_scores": ((q, kmin + torch.rand_like(kmin), kmax + 1, full(B, 7)), {"num_blocks": 7}),
         "paged_block_scores": ((qp, kc, bt, full(2, 40), qsl, 3, D ** -0.5), {"seq_lens": 40}),
         "paged_verify_attention": ((qp, kc, kc.flip(0), bt, full(2, 40), qsl, 3, D ** -0.5), {"seq_lens": 40}),
+        "paged_sparse_draft_attention": ((qp, kc, kc.flip(0), bt, full(2, 40), qsl,
+                                          torch.tensor([[[1, 5, 9], [0, 2, -1]]] * 2, dtype=torch.int32),
+                                          full(2, 30), D ** -0.5), {"seq_lens": 40, "tail_start": 30}),
     }
 
 

@@ -209,3 +209,65 @@ def test_cuda_kernel_emulated_checks_and_guards():
     assert torch.isnan(sc).all()
     with pytest.raises(ERR, match="value_cache"):
         emu.paged_verify_attention(q, kc, vc[:, :2], bt, lens, qsl, 3, 0.125, 256, 0)
+
+
+# score_block_size: token-granular (or any block size) scores from the same pass
+SB_CASES = [
+    # (q_lens, seq_lens, Hq, Hkv, D, page_size)
+    ([7], [300], 9, 3, 64, 32),
+    ([1, 7, 0, 5], [33, 1000, 20, 129], 8, 2, 64, 32),  # ragged, a request without queries
+    ([5, 2], [77, 9], 6, 1, 128, 7),                    # odd page size, MQA
+    ([7, 3], [700, 257], 8, 4, 80, 128),                # page 128: chunks of one page
+]
+
+
+@pytest.mark.parametrize("sb", [1, 3, 16, 48, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SB_CASES, ids=lambda c: f"R{len(c[0])}S{max(c[1])}H{c[2]}-{c[3]}D{c[4]}ps{c[5]}")
+def test_score_block_size_matches_reference(case, dtype, sb):
+    q_lens, seq_lens, Hq, Hkv, D, ps = case
+    q, kc, vc, bt, lens, qsl = _case(q_lens, seq_lens, Hq, Hkv, D, ps, dtype)
+    out, sc = torch.ops.vegas.paged_verify_attention(q, kc, vc, bt, lens, qsl, 7, D ** -0.5, sb)
+    want_out, want_sc = reference.paged_verify_attention(q, kc, vc, bt, lens, qsl, 7, D ** -0.5, sb)
+    P = bt.shape[1]
+    assert sc.shape == (len(q_lens), Hkv, -(-P * ps // sb)) and sc.dtype == torch.float32
+    otol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want_out, atol=otol, rtol=otol)
+    stol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(sc, want_sc, atol=stol, rtol=stol)
+    # the output does not depend on the score blocks
+    out_page, _ = torch.ops.vegas.paged_verify_attention(q, kc, vc, bt, lens, qsl, 7, D ** -0.5)
+    assert torch.equal(out, out_page)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_token_scores_sum_to_page_scores(threads):
+    """Scores at block size 1 summed over each page are the page scores (split or not)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for (q_lens, seq_lens, Hq, Hkv, D, ps) in SB_CASES:
+            q, kc, vc, bt, lens, qsl = _case(q_lens, seq_lens, Hq, Hkv, D, ps, torch.float32, seed=7)
+            for nq in (1, 7):
+                _, tok = ops.paged_verify_attention(q, kc, vc, bt, lens, qsl, nq, 0.125, score_block_size=1)
+                _, page = ops.paged_verify_attention(q, kc, vc, bt, lens, qsl, nq, 0.125)
+                assert tok.shape[-1] == bt.shape[1] * ps
+                torch.testing.assert_close(tok.view(*page.shape, ps).sum(-1), page, atol=1e-5, rtol=1e-5)
+                for r, L in enumerate(seq_lens):
+                    assert torch.all(tok[r, :, L:] == 0)
+                    if q_lens[r]:
+                        assert torch.all(tok[r, :, :L] >= 0)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_score_block_size_opcheck_fallback_and_bad_input():
+    q, kc, vc, bt, lens, qsl = _case([3, 2], [70, 40], 9, 3, 64, 32, torch.float32)
+    torch.library.opcheck(torch.ops.vegas.paged_verify_attention.default, (q, kc, vc, bt, lens, qsl, 4, 0.125, 1))
+    got = ops._pva_fallback(q, kc, vc, bt, lens, qsl, 4, 0.125, 1)
+    want = torch.ops.vegas.paged_verify_attention(q, kc, vc, bt, lens, qsl, 4, 0.125, 1)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    for fn in (torch.ops.vegas.paged_verify_attention, ops._pva_fallback):
+        with pytest.raises(ERR, match="score_block_size"):
+            fn(q, kc, vc, bt, lens, qsl, 4, 0.125, 0)

@@ -16,11 +16,16 @@
 // not change. The last min(q_len, num_queries) queries of a request form one block (the scored
 // rows); earlier queries (a prefill chunk) go in blocks of at most kMaxRows rows. Other layouts
 // and bf16 / fp16 caches are converted page by page into fp32 scratch in the layout above.
+// score_block_size b != page_size (b = 1: per-token scores for token-granular drafts): the sums
+// are kept per fine block of f = gcd(b, page_size) tokens, which never straddles a chunk (f
+// divides the page size, chunks are whole pages), and the combine adds them into blocks of b.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <optional>
 #include <vector>
 
 #include "checks.h"
@@ -64,16 +69,6 @@ struct Dims {
   int64_t vs_p, vs_h, vs_t, vs_d;
 };
 
-// value_cache against key_cache (shape, dtype, device): the values of the same pages.
-void check_paged_values_cache(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  TORCH_CHECK(value_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), op,
-              ": value_cache must have key_cache's shape [num_pages, H_kv, page_size, D] = ", key_cache.sizes(),
-              ", got ", value_cache.sizes());
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op, ": value_cache dtype (",
-              value_cache.scalar_type(), ") must equal q dtype (", key_cache.scalar_type(), ")");
-  check_same_device(op, key_cache, "key_cache", value_cache, "value_cache");
-}
-
 float* grow(std::vector<float>& v, int64_t n) {
   if (v.size() < size_t(n)) v.resize(n);
   return v.data();
@@ -86,8 +81,11 @@ struct ThreadBuf {
 template <typename T>
 void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens,
                        const int32_t* qsl, int64_t R, int64_t num_queries, float scale, const Dims& d,
-                       float* outf, float* scores) {
+                       int64_t sb, float* outf, float* scores) {
   const int64_t G = d.G, D = d.D, ps = d.ps, P = d.P, Hq = d.Hq;
+  const int64_t f = std::gcd(sb, ps);   // fine block: divides the page size and score blocks
+  const int64_t nf = ceil_div(P * ps, f);  // fine blocks of the longest table
+  const int64_t nb = ceil_div(P * ps, sb);  // score blocks (the output's last dimension)
   // units and the longest range of keys a unit reads
   std::vector<Unit> units;
   int64_t max_len = 0, nsc = 0;
@@ -119,7 +117,7 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
   float* m_all = grow(m_buf, nsplit * nrow);
   float* l_all = grow(l_buf, nsplit * nrow);
   float* acc_all = grow(acc_buf, nsplit * nrow * D);
-  float* bsum = grow(bsum_buf, R * d.Hkv * P * nsc1);  // [R * Hkv, P, nsc]: page sums, relative to mc
+  float* bsum = grow(bsum_buf, R * d.Hkv * nsc1 * nf);  // [R * Hkv, nsc, nf]: fine sums, relative to mc
   float* mc = grow(mc_buf, R * d.Hkv * nch * nsc1);    // [R * Hkv, nch, nsc]: running max after chunk
   const bool k_direct = std::is_same_v<T, float> && d.ks_t == 1;
   const bool v_direct = std::is_same_v<T, float> && d.vs_d == 1;
@@ -139,7 +137,7 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
           return sp * nrow + (tq0 + rr / G) * Hq + u.g * G + rr % G;
         };
         const int64_t bg = u.r * d.Hkv + u.g;
-        float* bs = bsum + bg * P * nsc;
+        float* bs = bsum + bg * nsc * nf;
         float* mcr = mc + bg * nch * nsc;
         tb.m.assign(rows, -std::numeric_limits<float>::infinity());
         tb.l.assign(rows, 0.f);
@@ -185,10 +183,15 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
               for (int64_t e = 0; e < D; ++e) tb.acc[rr * D + e] *= alpha;
             if (u.scored) {
               mcr[(c0 / ch) * nsc + rr] = tb.m[rr];
-              for (int64_t j = c0 / ps; j * ps < c1; ++j) {
-                float p = 0.f;
-                for (int64_t t = j * ps; t < std::min<int64_t>((j + 1) * ps, c1); ++t) p += sr[t - c0];
-                bs[j * nsc + rr] = p;
+              float* bsr = bs + rr * nf;
+              if (f == 1) {
+                std::copy(sr, sr + (c1 - c0), bsr + c0);
+              } else {
+                for (int64_t j = c0 / f; j * f < c1; ++j) {
+                  float p = 0.f;
+                  for (int64_t t = j * f; t < std::min<int64_t>((j + 1) * f, c1); ++t) p += sr[t - c0];
+                  bsr[j] = p;
+                }
               }
             }
           }
@@ -217,17 +220,17 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
         }
       });
 
-  // combine the splits per (request, KV head): output rows, then the scored rows' page sums
+  // combine the splits per (request, KV head): output rows, then the scored rows' block sums
   parallel_tasks(
-      R * d.Hkv, nsplit * std::max<int64_t>(nsc, 1) * (D + P), [] { return 0; },
+      R * d.Hkv, nsplit * std::max<int64_t>(nsc, 1) * (D + nf), [] { return 0; },
       [&](int&, int64_t task) {
         const int64_t r = task / d.Hkv, g = task % d.Hkv;
         const int64_t ql = qsl[r + 1] - qsl[r], L = lens[r];
-        float* sc = scores + task * P;
-        std::fill(sc, sc + P, 0.f);
+        float* sc = scores + task * nb;
+        std::fill(sc, sc + nb, 0.f);
         if (ql <= 0) return;
         const int64_t n = std::min<int64_t>(ql, num_queries);
-        const float* bs = bsum + task * P * nsc;
+        const float* bs = bsum + task * nsc * nf;
         for (int64_t i = 0; i < ql; ++i)
           for (int64_t hh = 0; hh < G; ++hh) {
             const int64_t idx = (qsl[r] + i) * Hq + g * G + hh;
@@ -235,10 +238,16 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
                                           nrow, D, outf + idx * D);
             if (i < ql - n || !std::isfinite(lse)) continue;  // unscored, or a poisoned row: no mass
             const int64_t rr = (i - (ql - n)) * G + hh;
-            for (int64_t j = 0; j < ceil_div(L, ps); ++j) {
-              const float b = bs[j * nsc + rr];
-              if (b == 0.f) continue;
-              sc[j] += b * std::exp(mc[(task * nch + j * ps / ch) * nsc + rr] - lse);
+            const float* bsr = bs + rr * nf;
+            // one weight per chunk (the sums of a chunk are relative to its running max)
+            for (int64_t c = 0; c * ch < L; ++c) {
+              const float w = std::exp(mc[(task * nch + c) * nsc + rr] - lse);
+              if (!(w > 0.f)) continue;  // the row's max grew far past this chunk's: no mass
+              const int64_t j1 = std::min(ceil_div(L, f), (c + 1) * ch / f);
+              if (f == sb)
+                for (int64_t j = c * ch / f; j < j1; ++j) sc[j] += bsr[j] * w;
+              else
+                for (int64_t j = c * ch / f; j < j1; ++j) sc[j * f / sb] += bsr[j] * w;
             }
           }
       });
@@ -249,10 +258,14 @@ std::tuple<at::Tensor, at::Tensor> paged_verify_attention_cpu(const at::Tensor& 
                                                               const at::Tensor& block_table,
                                                               const at::Tensor& seq_lens,
                                                               const at::Tensor& query_start_loc,
-                                                              int64_t num_queries, double scale) {
+                                                              int64_t num_queries, double scale,
+                                                              std::optional<int64_t> score_block_size) {
   const char* op = "vegas::paged_verify_attention";
   const PagedShape sh = check_paged_inputs(op, q, key_cache, block_table, seq_lens, query_start_loc,
                                            num_queries, scale);
+  // blocks longer than the table hold all of it (same single score), without overflow
+  const int64_t sb = std::min(paged_score_block_size(op, score_block_size, sh.page_size),
+                              std::max<int64_t>(sh.max_pages * sh.page_size, 1));
   check_paged_values_cache(op, key_cache, value_cache);
   const at::Tensor bt = block_table.contiguous(), lens_t = seq_lens.contiguous(),
                    qsl_t = query_start_loc.contiguous();
@@ -280,12 +293,13 @@ std::tuple<at::Tensor, at::Tensor> paged_verify_attention_cpu(const at::Tensor& 
          value_cache.stride(3)};
   // every row is written by the combine or stays zero (tokens past query_start_loc[R])
   auto out32 = at::zeros({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));
-  auto scores = at::zeros({sh.R, sh.Hkv, sh.max_pages}, q.options().dtype(at::kFloat));
+  auto scores = at::zeros({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
   if (sh.R > 0 && sh.max_pages > 0 && sh.T > 0)
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_verify_attention", [&] {
       paged_verify_impl<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
                                   value_cache.data_ptr<scalar_t>(), btp, lens, qsl, sh.R, num_queries,
-                                  static_cast<float>(scale), d, out32.data_ptr<float>(), scores.data_ptr<float>());
+                                  static_cast<float>(scale), d, sb, out32.data_ptr<float>(),
+                                  scores.data_ptr<float>());
     });
   if (q.scalar_type() == at::kFloat) return {out32, scores};
   return {out32.to(q.scalar_type()), scores};

@@ -800,7 +800,14 @@ def _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_q
 
 def _paged_fallback(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
     op = "paged_block_scores"
-    R, Hkv, P = _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    _check_paged_values(op, q, key_cache, block_table, seq_lens, query_start_loc)
+    return reference.paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+
+
+def _check_paged_values(op, q, key_cache, block_table, seq_lens, query_start_loc):
+    """Value checks of the paged ops on host copies (syncs): lengths and the page ids read."""
+    R, P = block_table.shape
     ps, NP = key_cache.shape[2], key_cache.shape[0]
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -816,7 +823,6 @@ def _paged_fallback(q, key_cache, block_table, seq_lens, query_start_loc, num_qu
             used = block_table[r, : -(-lens[r] // ps)]
             if bool(((used < 0) | (used >= NP)).any()):
                 _fail(op, f"block_table[{r}] holds a page id outside [0, num_pages) = [0, {NP})")
-    return reference.paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
 
 
 @torch.library.register_fake("vegas::paged_block_scores")
@@ -1165,8 +1171,8 @@ __all__.append("silu_mul")
 # paged_verify_attention (verification attention and page scores in one pass, inside vLLM)
 # ---------------------------------------------------------------------------
 _PVA_SCHEMA = ("paged_verify_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-               "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale) -> (Tensor out, "
-               "Tensor block_scores)")
+               "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale, "
+               "int? score_block_size=None) -> (Tensor out, Tensor block_scores)")
 if not has_compiled_kernel("paged_verify_attention", "cpu") and not hasattr(torch.ops.vegas, "paged_verify_attention"):
     # no build, or a build from older sources: the schema only, served by the reference below
     _pva_lib = torch.library.Library("vegas", "FRAGMENT")  # pragma: no cover
@@ -1184,6 +1190,7 @@ def paged_verify_attention(
     query_start_loc: Tensor,
     num_queries: int,
     scale: float,
+    score_block_size: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Verification attention over a paged KV cache and its page scores, in one pass.
 
@@ -1210,17 +1217,24 @@ def paged_verify_attention(
         num_queries: ``>= 1``; the last ``min(q_len, num_queries)`` queries of each request are
             scored (γ + 1 on a verification).
         scale: softmax scale of ``q . k`` (usually ``D ** -0.5``).
+        score_block_size: logical tokens per score, ``>= 1``; ``None`` (default): ``page_size``,
+            the page scores. ``1`` gives one score per token (token-granular draft selection,
+            :func:`paged_sparse_draft_attention`). Any size works on CPU (blocks need not align
+            with pages); the CUDA kernel accepts only ``None`` or ``page_size``.
 
     Returns:
         ``(out, block_scores)``: ``out`` ``[T, H_q, D]`` dtype of q (fp32 accumulation; rows past
-        ``query_start_loc[R]`` are zero); ``block_scores`` ``[R, H_kv, max_pages]`` float32, the
-        probability mass of each page summed over the scored queries and the G query heads of
-        each KV head, as :func:`paged_block_scores` (a request's row sums to
-        ``G * min(q_len, num_queries)``; zero past its pages and for requests without queries).
+        ``query_start_loc[R]`` are zero); ``block_scores`` ``[R, H_kv, ceil(max_pages * page_size
+        / score_block_size)]`` float32 (``[R, H_kv, max_pages]`` by default), the probability mass
+        of each block of tokens ``[j * b, (j + 1) * b)`` summed over the scored queries and the G
+        query heads of each KV head, as :func:`paged_block_scores` (a request's row sums to
+        ``G * min(q_len, num_queries)``; zero past its tokens and for requests without queries).
+        Per-token scores summed over each page equal the page scores (up to fp32 rounding).
 
     Raises:
         RuntimeError / ValueError naming the argument, as :func:`paged_block_scores`, plus a
-        ``value_cache`` whose shape, dtype or device differs from ``key_cache``'s.
+        ``value_cache`` whose shape, dtype or device differs from ``key_cache``'s and a
+        ``score_block_size`` below 1 (or, for the CUDA kernel, other than ``page_size``).
 
     A NaN or infinite score poisons its row's output (NaN, as in the reference) but adds no mass
     to the scores (the reference gives NaN pages).
@@ -1232,11 +1246,10 @@ def paged_verify_attention(
     host sync: a request with out-of-range lengths gets NaN scores and no output.
     """
     return torch.ops.vegas.paged_verify_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                                  num_queries, scale)
+                                                  num_queries, scale, score_block_size)
 
 
-def _check_pva(op, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
-    R, Hkv, P = _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+def _check_values_cache(op, key_cache, value_cache):
     if value_cache.dim() != 4 or tuple(value_cache.shape) != tuple(key_cache.shape):
         _fail(op, f"value_cache must have key_cache's shape [num_pages, H_kv, page_size, D] = "
                   f"{tuple(key_cache.shape)}, got {tuple(value_cache.shape)}")
@@ -1244,27 +1257,153 @@ def _check_pva(op, q, key_cache, value_cache, block_table, seq_lens, query_start
         _fail(op, f"value_cache dtype ({value_cache.dtype}) must equal q dtype ({key_cache.dtype})")
     if value_cache.device != key_cache.device:
         _fail(op, f"value_cache must be on the same device as key_cache ({key_cache.device}), got {value_cache.device}")
-    return R, Hkv, P
 
 
-def _pva_fallback(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
-    _check_pva("paged_verify_attention", q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-               num_queries, scale)
-    # value checks and the scores: paged_block_scores' checked path
-    scores = _paged_fallback(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
-    out, _ = reference.paged_verify_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, 1,
-                                              scale)
-    return out, scores
+def _check_pva(op, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale,
+               score_block_size=None):
+    """Shape checks; returns (R, H_kv, number of score blocks)."""
+    R, Hkv, P = _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    _check_values_cache(op, key_cache, value_cache)
+    ps = key_cache.shape[2]
+    b = ps if score_block_size is None else score_block_size
+    if b < 1:
+        _fail(op, f"score_block_size must be >= 1 (or None for page_size), got {b}")
+    return R, Hkv, -(-P * ps // b)
+
+
+def _pva_fallback(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale,
+                  score_block_size=None):
+    op = "paged_verify_attention"
+    _check_pva(op, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale,
+               score_block_size)
+    _check_paged_values(op, q, key_cache, block_table, seq_lens, query_start_loc)
+    return reference.paged_verify_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                            num_queries, scale, score_block_size)
 
 
 @torch.library.register_fake("vegas::paged_verify_attention")
-def _pva_fake(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale):
-    R, Hkv, P = _check_pva("paged_verify_attention", q, key_cache, value_cache, block_table, seq_lens,
-                           query_start_loc, num_queries, scale)
-    return q.new_empty(q.shape), q.new_empty((R, Hkv, P), dtype=torch.float32)
+def _pva_fake(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, num_queries, scale,
+              score_block_size=None):
+    R, Hkv, NB = _check_pva("paged_verify_attention", q, key_cache, value_cache, block_table, seq_lens,
+                            query_start_loc, num_queries, scale, score_block_size)
+    return q.new_empty(q.shape), q.new_empty((R, Hkv, NB), dtype=torch.float32)
 
 
 torch.library.register_autograd("vegas::paged_verify_attention", _no_backward("paged_verify_attention"))
 paged_verify_attention = _make_dispatching("paged_verify_attention", paged_verify_attention, _pva_fallback,
                                            ("seq_lens",), rows_from=3)  # R = block_table.shape[0]
 __all__.append("paged_verify_attention")
+
+
+# ---------------------------------------------------------------------------
+# paged_sparse_draft_attention (token-granular drafts inside vLLM)
+# ---------------------------------------------------------------------------
+_PSDA_SCHEMA = ("paged_sparse_draft_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+                "Tensor seq_lens, Tensor query_start_loc, Tensor token_indices, Tensor tail_start, float scale) -> "
+                "Tensor")
+if not has_compiled_kernel("paged_sparse_draft_attention", "cpu") and not hasattr(
+        torch.ops.vegas, "paged_sparse_draft_attention"):
+    # no build, or a build from older sources: the schema only, served by the reference below
+    _psda_lib = torch.library.Library("vegas", "FRAGMENT")  # pragma: no cover
+    _psda_lib.define(_PSDA_SCHEMA)  # pragma: no cover
+for _dev in ("cpu", "cuda"):
+    _COMPILED[("paged_sparse_draft_attention", _dev)] = has_compiled_kernel("paged_sparse_draft_attention", _dev)
+
+
+def paged_sparse_draft_attention(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Union[Tensor, int],
+    query_start_loc: Tensor,
+    token_indices: Tensor,
+    tail_start: Union[Tensor, int],
+    scale: float,
+) -> Tensor:
+    """Draft attention over selected tokens of a paged KV cache plus the tail.
+
+    The paged twin of :func:`sparse_draft_attention` at block size 1 (Vegas's own loop drafts at
+    token granularity): query head ``h`` of request ``r`` (KV head ``g = h // (H_q / H_kv)``)
+    attends to the tokens ``token_indices[r, g]`` that lie before ``tail_start[r]`` plus every
+    tail token ``[tail_start[r], seq_lens[r])``, causally, with an exact softmax over that set,
+    reading each token through the block table. Packed-batch layout of vLLM as
+    :func:`paged_verify_attention`: request ``r`` owns query rows ``[query_start_loc[r],
+    query_start_loc[r+1])`` at positions ``seq_lens[r] - q_len ... seq_lens[r] - 1`` (their K/V
+    already in the cache).
+
+    Args:
+        q: ``[T, H_q, D]`` float32/bfloat16/float16, any strides.
+        key_cache, value_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, any strides (the
+            views that :func:`paged_verify_attention` takes).
+        block_table: ``[R, max_pages]`` int32, physical page of each logical page; entries of
+            the pages a request with queries reads must lie in ``[0, num_pages)``.
+        seq_lens: ``[R]`` int32 in ``[q_len, max_pages * page_size]``, or a Python int for all.
+        query_start_loc: ``[R + 1]`` int32, non-decreasing, starting at 0, ending ``<= T``.
+        token_indices: ``[R, H_kv, K]`` int32 logical token positions, strictly ascending, then
+            ``-1`` padding (:func:`block_topk`'s output at block size 1); entries at or past
+            ``tail_start[r]`` are ignored (the tail holds them anyway).
+        tail_start: ``[R]`` int32 in ``[0, seq_lens[r] - q_len]``, or a Python int for all.
+        scale: softmax scale of ``q . k``.
+
+    Returns:
+        ``[T, H_q, D]``, dtype of q (fp32 accumulation); rows past ``query_start_loc[R]`` are
+        zero. With every token before the tail selected it equals :func:`paged_verify_attention`'s
+        output.
+
+    Raises:
+        RuntimeError / ValueError naming the argument: the checks of
+        :func:`paged_verify_attention`, plus token_indices not int32 ``[R, H_kv, K]`` or not
+        ascending-then-padding, tail_start not int32 ``[R]`` or outside its range.
+
+    CPU kernel (csrc/cpu/paged_sparse_draft_attention.cpp); other devices run the checked
+    plain-PyTorch reference (no CUDA kernel yet).
+    """
+    return torch.ops.vegas.paged_sparse_draft_attention(q, key_cache, value_cache, block_table, seq_lens,
+                                                        query_start_loc, token_indices, tail_start, scale)
+
+
+def _check_psda(op, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, token_indices, tail_start,
+                scale):
+    R, Hkv, _ = _check_paged(op, q, key_cache, block_table, seq_lens, query_start_loc, 1, scale)
+    _check_values_cache(op, key_cache, value_cache)
+    if token_indices.device != q.device:
+        _fail(op, f"token_indices must be on the same device as q ({q.device}), got {token_indices.device}")
+    if token_indices.dim() != 3 or tuple(token_indices.shape[:2]) != (R, Hkv) or token_indices.dtype != torch.int32:
+        _fail(op, f"token_indices must be int32 [R, H_kv, K] = [{R}, {Hkv}, K], got {token_indices.dtype} "
+                  f"{tuple(token_indices.shape)}")
+    _check_per_row(op, "tail_start", tail_start, R, q, "q")
+
+
+def _psda_fallback(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, token_indices, tail_start,
+                   scale):
+    op = "paged_sparse_draft_attention"
+    _check_psda(op, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, token_indices, tail_start,
+                scale)
+    _check_paged_values(op, q, key_cache, block_table, seq_lens, query_start_loc)
+    qsl, lens, ts = query_start_loc.tolist(), seq_lens.tolist(), tail_start.tolist()
+    for r in range(block_table.shape[0]):
+        ql = qsl[r + 1] - qsl[r]
+        if ql and not (0 <= ts[r] <= lens[r] - ql):
+            _fail(op, f"tail_start[{r}] = {ts[r]} must lie in [0, seq_lens - q_len] = [0, {lens[r] - ql}]")
+    ti = token_indices.long()
+    nxt = torch.cat([ti[..., 1:], torch.full_like(ti[..., :1], -1)], dim=-1)
+    ok = ((ti == -1) & (nxt == -1)) | ((ti >= 0) & ((nxt == -1) | (nxt > ti)))
+    if not bool(ok.all()):
+        r, g = (int(x) for x in (~ok).nonzero()[0, :2])
+        _fail(op, f"token_indices[{r}, {g}] must hold strictly ascending tokens >= 0 then -1 padding")
+    return reference.paged_sparse_draft_attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                                  token_indices, tail_start, scale)
+
+
+@torch.library.register_fake("vegas::paged_sparse_draft_attention")
+def _psda_fake(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, token_indices, tail_start, scale):
+    _check_psda("paged_sparse_draft_attention", q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                token_indices, tail_start, scale)
+    return q.new_empty(q.shape)
+
+
+torch.library.register_autograd("vegas::paged_sparse_draft_attention", _no_backward("paged_sparse_draft_attention"))
+paged_sparse_draft_attention = _make_dispatching("paged_sparse_draft_attention", paged_sparse_draft_attention,
+                                                 _psda_fallback, ("seq_lens", "tail_start"), rows_from=3)
+__all__.append("paged_sparse_draft_attention")

@@ -28,6 +28,8 @@ __all__ = [
     "quest_block_scores",
     "paged_block_scores",
     "paged_verify_attention",
+    "paged_token_scores",
+    "paged_sparse_draft_attention",
     "weight_only_linear",
     "rope_kv_write",
     "add_rms_norm",
@@ -214,11 +216,29 @@ def paged_block_scores(
     scale: float,
 ) -> Tensor:
     """Reference of :func:`vegas_ext.ops.paged_block_scores` (same contract)."""
+    ps = key_cache.shape[2]
+    tok = paged_token_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    return tok.view(tok.shape[0], tok.shape[1], -1, ps).sum(-1)
+
+
+def paged_token_scores(
+    q: Tensor,
+    key_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    num_queries: int,
+    scale: float,
+    score_block_size: int = 1,
+) -> Tensor:
+    """:func:`paged_block_scores` per block of ``score_block_size`` logical tokens instead of per
+    page: ``[R, H_kv, ceil(max_pages * page_size / score_block_size)]`` float32 (block ``j`` holds
+    tokens ``[j * score_block_size, (j + 1) * score_block_size)``)."""
     R, P = block_table.shape
     Hq, D = q.shape[1], q.shape[2]
     Hkv, ps = key_cache.shape[1], key_cache.shape[2]
     G = Hq // Hkv
-    out = torch.zeros(R, Hkv, P, dtype=torch.float32, device=q.device)
+    out = torch.zeros(R, Hkv, P * ps, dtype=torch.float32, device=q.device)
     for r in range(R):
         q0, q1, L = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(seq_lens[r])
         n = min(q1 - q0, num_queries)
@@ -231,10 +251,10 @@ def paged_block_scores(
         s = torch.einsum("nhgd,htd->hngt", qr, k) * scale  # [H_kv, n, G, L]
         pos = torch.arange(L - n, L, device=q.device).view(1, n, 1, 1)
         s = s.masked_fill(torch.arange(L, device=q.device).view(1, 1, 1, L) > pos, float("-inf"))
-        p = torch.softmax(s, dim=-1).sum(dim=(1, 2))  # [H_kv, L]
-        p = torch.nn.functional.pad(p, (0, npg * ps - L)).view(Hkv, npg, ps).sum(-1)
-        out[r, :, :npg] = p
-    return out
+        out[r, :, :L] = torch.softmax(s, dim=-1).sum(dim=(1, 2))  # [H_kv, L]
+    b = score_block_size
+    nb = -(-P * ps // b)
+    return torch.nn.functional.pad(out, (0, nb * b - P * ps)).view(R, Hkv, nb, b).sum(-1)
 
 
 def paged_verify_attention(
@@ -246,10 +266,11 @@ def paged_verify_attention(
     query_start_loc: Tensor,
     num_queries: int,
     scale: float,
+    score_block_size: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference of :func:`vegas_ext.ops.paged_verify_attention` (same contract): causal attention
     of every packed query over its request's pages (fp32 math), and
-    :func:`paged_block_scores` of the same call."""
+    :func:`paged_token_scores` of the same call (per page by default)."""
     R = block_table.shape[0]
     Hq, D = q.shape[1], q.shape[2]
     Hkv, ps = key_cache.shape[1], key_cache.shape[2]
@@ -270,8 +291,52 @@ def paged_verify_attention(
         s = s.masked_fill(torch.arange(L, device=q.device).view(1, 1, 1, L) > pos, float("-inf"))
         o = torch.einsum("hgnt,htd->nhgd", torch.softmax(s, dim=-1), v)  # [ql, H_kv, G, D]
         out[q0:q1] = o.reshape(ql, Hq, D)
-    scores = paged_block_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale)
+    b = ps if score_block_size is None else min(score_block_size, max(block_table.shape[1] * ps, 1))
+    scores = paged_token_scores(q, key_cache, block_table, seq_lens, query_start_loc, num_queries, scale, b)
     return out.to(q.dtype), scores
+
+
+def paged_sparse_draft_attention(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    token_indices: Tensor,
+    tail_start: Tensor,
+    scale: float,
+) -> Tensor:
+    """Reference of :func:`vegas_ext.ops.paged_sparse_draft_attention` (same contract): per
+    request, a dense [H_kv, q_len, L] mask of the selected tokens before the tail plus the causal
+    tail, fp32 math."""
+    R = block_table.shape[0]
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, ps = key_cache.shape[1], key_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for r in range(R):
+        q0, q1, L, ts = (int(x) for x in (query_start_loc[r], query_start_loc[r + 1], seq_lens[r], tail_start[r]))
+        ql = q1 - q0
+        if ql <= 0:
+            continue
+        npg = -(-L // ps)
+        pages = block_table[r, :npg].long()
+        k = key_cache[pages].float().permute(1, 0, 2, 3).reshape(Hkv, npg * ps, D)[:, :L]
+        v = value_cache[pages].float().permute(1, 0, 2, 3).reshape(Hkv, npg * ps, D)[:, :L]
+        t = torch.arange(L, device=q.device)
+        sel = torch.zeros(Hkv, L + 1, dtype=torch.bool, device=q.device)
+        ti = token_indices[r].long()
+        sel.scatter_(1, torch.where((ti >= 0) & (ti < ts), ti, torch.full_like(ti, L)), True)
+        pos = torch.arange(L - ql, L, device=q.device).view(ql, 1)
+        tail = (t.view(1, L) >= ts) & (t.view(1, L) <= pos)  # [ql, L]
+        allowed = sel[:, :L].view(Hkv, 1, L) | tail.view(1, ql, L)  # [H_kv, ql, L]
+        qr = q[q0:q1].float().view(ql, Hkv, G, D)
+        s = torch.einsum("nhgd,htd->hgnt", qr, k) * scale  # [H_kv, G, ql, L]
+        s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        o = torch.einsum("hgnt,htd->nhgd", torch.softmax(s, dim=-1), v)
+        out[q0:q1] = o.reshape(ql, Hq, D)
+    return out.to(q.dtype)
 
 
 def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
