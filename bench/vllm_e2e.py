@@ -36,8 +36,10 @@ from bench.common import commit_label
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto");
-# "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B)
-METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto")
+# "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B);
+# "*_token": draft_granularity "token" (selected tokens per KV head instead of whole pages), γ fixed
+METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto", "vegas_token",
+           "streamingllm_token")
 
 
 def spec_for(method, gamma, ratio, min_tokens):
@@ -48,9 +50,11 @@ def spec_for(method, gamma, ratio, min_tokens):
     from vegas_ext.vllm import speculative_config
 
     auto = method == "vegas_auto"
-    algo = "vegas" if method in ("vegas_auto", "vegas_2pass") else method
+    token = method.endswith("_token")
+    algo = "vegas" if method in ("vegas_auto", "vegas_2pass", "vegas_token") else method.removesuffix("_token")
     spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=algo,
-                              sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens)
+                              sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens,
+                              draft_granularity="token" if token else "page")
     return dict(spec, gamma_policy="auto" if auto else "fixed")
 
 
@@ -225,7 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv[1:]``); ``--method`` / ``--worker-out`` (hidden)
     make the process one method's worker."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vegas_2pass"], choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vegas_2pass" and "_token" not in m],
+                   choices=METHODS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--new-tokens", type=int, default=64)

@@ -22,7 +22,7 @@ def test_speculative_config_contents():
                            sparse_attn_min_tokens=64)
     assert c == {"model": PROPOSER_PATH, "num_speculative_tokens": 4, "sparse_attn_algorithm": "streamingllm",
                  "sparse_attn_ratio": 0.1, "sparse_attn_min_tokens": 64, "num_sink_pages": 1,
-                 "gamma_policy": "auto"}
+                 "gamma_policy": "auto", "draft_granularity": "page"}
     assert json.loads(json.dumps(c)) == c
     kw = engine_kwargs(num_speculative_tokens=4)
     assert kw["speculative_config"] == {"model": PROPOSER_PATH, "num_speculative_tokens": 4}
@@ -46,6 +46,8 @@ def test_cli_prints_the_json():
     (dict(sparse_attn_max_tokens=8, sparse_attn_min_tokens=256), "sparse_attn_max_tokens"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(num_sink_pages=-2), "num_sink_pages"),
+    (dict(draft_granularity="block"), "draft_granularity"),
+    (dict(draft_granularity=1), "draft_granularity"),
 ])
 def test_bad_arguments_name_the_argument(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -57,5 +59,7 @@ def test_options_budget_and_unknown_keys():
     assert o.budget_pages(1000, 32) == 8          # 256 tokens
     assert o.budget_pages(8000, 32) == 13         # 400 tokens -> 12.5 pages
     assert VegasOptions(sparse_attn_max_tokens=300).budget_pages(100000, 32) == 10
+    assert o.budget_tokens(1000) == 256 and o.budget_tokens(8000) == 400  # token-granular drafts
+    assert VegasOptions(draft_granularity="token").draft_granularity == "token"
     with pytest.raises(ValueError, match="unknown option"):
         VegasOptions.from_mapping({"sparse_attn_ratoi": 0.1})

@@ -52,21 +52,22 @@ def greedy_runs(smollm_dir, tokenizer, tmp_path_factory):
     cfg = {"llm": dict(BASE_LLM, model=smollm_dir, max_model_len=8192), "prompts": prompts,
            "sampling": {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}}
     runs = {"stock": run_llm(cfg, plugin=False)}
-    for algo in ("vegas", "streamingllm"):
-        stats = str(tmp_path_factory.mktemp(f"stats-{algo}"))
+    for name, algo, gran in (("vegas", "vegas", "page"), ("streamingllm", "streamingllm", "page"),
+                             ("vegas-token", "vegas", "token")):
+        stats = str(tmp_path_factory.mktemp(f"stats-{name}"))
         c = json.loads(json.dumps(cfg))
         c["llm"]["speculative_config"] = dict(  # fixed γ: the tests below count γ drafts per step
             speculative_config(num_speculative_tokens=GAMMA, sparse_attn_algorithm=algo, sparse_attn_ratio=0.05,
-                               sparse_attn_min_tokens=256), gamma_policy="fixed")
+                               sparse_attn_min_tokens=256, draft_granularity=gran), gamma_policy="fixed")
         r = run_llm(c, env={"VEGAS_VLLM_STATS_DIR": stats})
         assert "error" not in r, r.get("traceback")
         with open(os.path.join(stats, "stats-rank0.json")) as f:
             r["stats"] = json.load(f)
-        runs[algo] = r
+        runs[name] = r
     return runs
 
 
-@pytest.mark.parametrize("algo", ["vegas", "streamingllm"])
+@pytest.mark.parametrize("algo", ["vegas", "streamingllm", "vegas-token"])
 def test_greedy_identical_to_stock_vllm(greedy_runs, algo):
     stock, ours = greedy_runs["stock"]["outputs"], greedy_runs[algo]["outputs"]
     assert len(ours) == len(LENGTHS) and all(len(o) == NEW for o in stock)
@@ -84,9 +85,12 @@ def test_vegas_verifies_in_one_pass(greedy_runs):
     assert s["two_pass_layer_calls"] < s["one_pass_layer_calls"], s
     s = greedy_runs["streamingllm"]["stats"]
     assert s["one_pass_layer_calls"] == 0 and s["two_pass_layer_calls"] == 0, s
+    # per-token scores from the same one pass (few verifications here: prefill-mixed batches weigh more)
+    s = greedy_runs["vegas-token"]["stats"]
+    assert s["one_pass_layer_calls"] > 0, s
 
 
-@pytest.mark.parametrize("algo", ["vegas", "streamingllm"])
+@pytest.mark.parametrize("algo", ["vegas", "streamingllm", "vegas-token"])
 def test_acceptance_metrics(greedy_runs, algo):
     m = greedy_runs[algo]["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
@@ -109,6 +113,20 @@ def test_drafts_are_sparse(greedy_runs, algo):
     # 5 % / 256 tokens of 1K-6K contexts: well under half of the dense pages
     assert s["pages_read"] < 0.5 * s["pages_dense"], s
     assert s["sparse_layer_steps"] > 0
+
+
+def test_token_drafts_are_sparse(greedy_runs):
+    """Token-granular drafts: tokens read per draft step and layer <= budget + tail (the budget in
+    tokens, not rounded up to pages), and far fewer than a dense draft's."""
+    s = greedy_runs["vegas-token"]["stats"]
+    assert s["draft_forwards"] > 0 and s["draft_tokens"] > 0
+    assert s["max_over_budget"] <= 0, s
+    assert s["tokens_read"] <= s["budget_tokens"] + s["tail_tokens"]
+    assert s["tokens_read"] < 0.5 * s["tokens_dense"], s
+    assert s["sparse_layer_steps"] > 0
+    assert s["pages_read"] == 0  # no compacted tables
+    print({k: mean_acceptance_length(greedy_runs[k]["metrics"]) for k in ("vegas", "streamingllm", "vegas-token")},
+          {k: greedy_runs[k]["stats"] for k in ("vegas", "vegas-token")})
 
 
 def _expect_construction_error(cfg, pattern):

@@ -99,6 +99,7 @@ def speculative_config(
     sparse_attn_max_tokens: Optional[int] = None,
     num_sink_pages: int = 1,
     gamma_policy: str = "auto",
+    draft_granularity: str = "page",
 ) -> Dict[str, Any]:
     """The ``speculative_config`` for ``LLM(...)`` / ``vllm serve --speculative-config`` (JSON).
 
@@ -111,6 +112,8 @@ def speculative_config(
         num_sink_pages: leading pages always kept (attention sinks).
         gamma_policy: ``"auto"`` (each request drafts 0..γ per step, from its acceptance and the
             engine's measured step costs; docs/vllm_gamma.md) or ``"fixed"`` (every request γ).
+        draft_granularity: ``"page"`` (drafts attend to whole selected pages) or ``"token"``
+            (selected tokens per KV head; docs/vllm.md).
 
     Returns:
         ``{"model": PROPOSER_PATH, "num_speculative_tokens": γ, "sparse_attn_algorithm": ..., ...}``;
@@ -125,7 +128,7 @@ def speculative_config(
     check_installed()
     num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
     opts = VegasOptions(sparse_attn_algorithm, sparse_attn_ratio, sparse_attn_min_tokens, sparse_attn_max_tokens,
-                        num_sink_pages, gamma_policy)
+                        num_sink_pages, gamma_policy, draft_granularity)
     out: Dict[str, Any] = {"model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}
     out.update({k: v for k, v in opts.to_dict().items() if v is not None})
     return out
@@ -186,6 +189,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", dest="sparse_attn_max_tokens", type=int, default=None)
     p.add_argument("--num-sink-pages", type=int, default=1)
     p.add_argument("--gamma-policy", choices=("auto", "fixed"), default="auto")
+    p.add_argument("--draft-granularity", choices=("page", "token"), default="page")
     a = p.parse_args(argv)
     try:
         print(json.dumps(speculative_config(**vars(a))))

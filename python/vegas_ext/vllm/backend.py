@@ -14,14 +14,18 @@ its implementation differ from the stock ``CPUAttentionBackendImpl.forward``:
   (ALiBi, sliding window, soft-cap, sinks, non-causal): vLLM's own kernel, then
   :func:`vegas_ext.ops.paged_block_scores` on the K half of the cache.
 
-Draft forwards and engines without a Vegas proposer run the stock forward alone.
+Draft forwards run the stock forward over the proposer's compacted block table (page-granular
+drafts), or, with ``draft_granularity="token"``, :func:`vegas_ext.ops.paged_sparse_draft_attention`
+over the real block table and the proposer's per-(layer, KV head) token selection; the target
+forward then keeps per-token scores (``score_block_size=1``). Engines without a Vegas proposer
+run the stock forward alone.
 ``VEGAS_VLLM_ONE_PASS=0`` keeps the two-pass path everywhere (for A/B measurements).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from vllm.v1.attention.backend import AttentionType
@@ -29,8 +33,8 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from .. import ops
 
-__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "VegasState", "attach_state", "key_cache_view",
-           "one_pass_applies", "record_scores", "value_cache_view"]
+__all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "VegasState", "attach_state",
+           "draft_token_attention", "key_cache_view", "one_pass_applies", "record_scores", "value_cache_view"]
 
 
 @dataclass
@@ -42,8 +46,13 @@ class VegasState:
         collect: compute page scores on target forwards (``active`` and the algorithm needs them).
         drafting: a draft forward is running (no scores; set by the proposer).
         num_queries: queries scored per request (γ + 1).
+        score_block_size: tokens per score (``None``: per page; 1: per token, token-granular drafts).
         scores: layer name -> ``[num_reqs, H_kv, max_pages]`` float32 scores of the latest target
-            forward, rows in that forward's batch order.
+            forward (``[num_reqs, H_kv, max_pages * page_size]`` per token), rows in that forward's
+            batch order.
+        draft_tokens: while a token-granular draft runs, layer name -> ``[num_reqs, H_kv, K]``
+            int32 selected tokens (ascending, -1 padded) of the draft batch's requests, and
+        draft_tail: ``[num_reqs]`` int32, their tail starts; ``None`` for page-granular drafts.
         one_pass_calls / two_pass_calls: layer forwards that recorded scores with
             :func:`vegas_ext.ops.paged_verify_attention` / with vLLM's kernel plus
             :func:`vegas_ext.ops.paged_block_scores` (debug counters).
@@ -52,7 +61,10 @@ class VegasState:
     collect: bool = False
     drafting: bool = False
     num_queries: int = 1
+    score_block_size: Optional[int] = None
     scores: Dict[str, torch.Tensor] = field(default_factory=dict)
+    draft_tokens: Optional[Dict[str, torch.Tensor]] = None
+    draft_tail: Optional[torch.Tensor] = None
     one_pass_calls: int = 0
     two_pass_calls: int = 0
 
@@ -119,18 +131,52 @@ def one_pass_applies(impl, attn_metadata) -> bool:
             and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None)
 
 
-def record_scores(layer, impl, query, key_cache, attn_metadata) -> None:
+def record_scores(layer, impl, query, key_cache, attn_metadata, value_cache=None) -> None:
     """Store the page scores of this target forward for ``layer`` in the proposer's state (see
     :func:`attach_state`); no-op on draft forwards, without a Vegas proposer, outside decoder
-    self-attention."""
+    self-attention. Per-token scores (``score_block_size`` set) need ``value_cache``: they come
+    from :func:`vegas_ext.ops.paged_verify_attention` over each request's scored queries only."""
     if _collecting(impl, attn_metadata):
         st = impl.vegas_state
         n = attn_metadata.num_actual_tokens
         num_reqs = attn_metadata.seq_lens.shape[0]
         st.two_pass_calls += 1
-        st.scores[layer.layer_name] = ops.paged_block_scores(
-            query[:n], key_cache, attn_metadata.block_table[:num_reqs], attn_metadata.seq_lens,
-            attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, impl.scale)
+        bt, qsl = attn_metadata.block_table[:num_reqs], attn_metadata.query_start_loc[: num_reqs + 1]
+        if st.score_block_size is None or value_cache is None:
+            st.scores[layer.layer_name] = ops.paged_block_scores(
+                query[:n], key_cache, bt, attn_metadata.seq_lens, qsl, st.num_queries, impl.scale)
+            return
+        # the last min(q_len, γ + 1) queries of each request keep their positions (seq_len - q_len + i)
+        q_lens = qsl[1:] - qsl[:-1]
+        m = torch.clamp(q_lens, max=st.num_queries)
+        sub_qsl = torch.zeros_like(qsl)
+        sub_qsl[1:] = torch.cumsum(m, 0)
+        rows = torch.repeat_interleave(qsl[1:] - m, m) + (
+            torch.arange(int(sub_qsl[-1]), device=qsl.device) - torch.repeat_interleave(sub_qsl[:-1], m))
+        _, st.scores[layer.layer_name] = ops.paged_verify_attention(
+            query[rows.long()], key_cache, value_cache, bt, attn_metadata.seq_lens, sub_qsl, st.num_queries,
+            impl.scale, st.score_block_size)
+
+
+def draft_token_attention(layer, impl, query, kv_cache, attn_metadata, output):
+    """A token-granular draft forward of ``layer``: each query head attends to its KV head's
+    selected tokens plus the tail (:func:`vegas_ext.ops.paged_sparse_draft_attention`), through the
+    real block table; the drafted token's K/V are already in its slot. Returns ``output``."""
+    st = impl.vegas_state
+    n = attn_metadata.num_actual_tokens
+    num_reqs = attn_metadata.seq_lens.shape[0]
+    out = ops.paged_sparse_draft_attention(
+        query[:n], key_cache_view(kv_cache), value_cache_view(kv_cache), attn_metadata.block_table[:num_reqs],
+        attn_metadata.seq_lens, attn_metadata.query_start_loc[: num_reqs + 1], st.draft_tokens[layer.layer_name],
+        st.draft_tail, impl.scale)
+    output[:n].copy_(out.view(output[:n].shape))
+    return output
+
+
+def _token_drafting(impl, attn_metadata) -> bool:
+    st = getattr(impl, "vegas_state", None)
+    return (st is not None and st.drafting and st.draft_tokens is not None and attn_metadata is not None
+            and impl.attn_type == AttentionType.DECODER and not impl.is_fp8_kv_cache)
 
 
 class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -138,6 +184,8 @@ class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
+        if output_scale is None and output_block_scale is None and _token_drafting(self, attn_metadata):
+            return draft_token_attention(layer, self, query, kv_cache, attn_metadata, output)
         if output_scale is None and output_block_scale is None and one_pass_applies(self, attn_metadata):
             # K/V of this step's tokens are already in the cache (do_kv_cache_update runs first)
             st = self.vegas_state
@@ -145,14 +193,15 @@ class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
             num_reqs = attn_metadata.seq_lens.shape[0]
             out, st.scores[layer.layer_name] = ops.paged_verify_attention(
                 query[:n], key_cache_view(kv_cache), value_cache_view(kv_cache), attn_metadata.block_table[:num_reqs],
-                attn_metadata.seq_lens, attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, self.scale)
+                attn_metadata.seq_lens, attn_metadata.query_start_loc[: num_reqs + 1], st.num_queries, self.scale,
+                st.score_block_size)
             output[:n].copy_(out.view(output[:n].shape))
             st.one_pass_calls += 1
             return output
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
         if not self.is_fp8_kv_cache:
-            record_scores(layer, self, query, key_cache_view(kv_cache), attn_metadata)
+            record_scores(layer, self, query, key_cache_view(kv_cache), attn_metadata, value_cache_view(kv_cache))
         return out
 
 

@@ -12,10 +12,13 @@ PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
 OPTION_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens",
-               "num_sink_pages", "gamma_policy")
+               "num_sink_pages", "gamma_policy", "draft_granularity")
 ALGORITHMS = config.VLLM_ALGORITHMS
 #: ``gamma_policy`` values: every request drafts ``num_speculative_tokens`` / each its own number.
 GAMMA_POLICIES = ("fixed", "auto")
+#: ``draft_granularity`` values: drafts attend to selected tokens (block size 1, per KV head) or to
+#: whole selected pages (one selection per layer, through a compacted block table).
+DRAFT_GRANULARITIES = ("token", "page")
 #: ``hf_config.model_type`` values whose vLLM models the plugin drafts with (plain decoder-only
 #: attention through one KV cache group, no sliding window).
 SUPPORTED_MODEL_TYPES = config.SUPPORTED_MODEL_TYPES
@@ -44,9 +47,17 @@ class VegasOptions:
         gamma_policy: ``"fixed"`` (every request drafts ``num_speculative_tokens``) or ``"auto"``
             (each request drafts its own ``0..num_speculative_tokens`` per step, from its acceptance
             and the measured step costs: :class:`vegas_ext.speculation.PerRequestGamma`).
+        draft_granularity: ``"page"`` (drafts attend to whole selected pages, one selection per
+            layer shared by its KV heads, through vLLM's kernel over a compacted block table) or
+            ``"token"`` (drafts attend to selected tokens, one selection per layer and KV head,
+            through :func:`vegas_ext.ops.paged_sparse_draft_attention` over the real block table;
+            the verification keeps per-token scores).
 
     The budget in pages is ``ceil(clamp(ceil(ratio * context), min_tokens, max_tokens) / page_size)``,
     sinks included; the tail (the last verification window and this round's drafts) comes on top.
+    In token mode the budget is ``clamp(ceil(ratio * context), min_tokens, max_tokens)`` tokens,
+    ``num_sink_pages * page_size`` sink tokens included, and the tail starts at the verification
+    window's first token instead of its page.
     """
 
     sparse_attn_algorithm: str = "vegas"
@@ -55,9 +66,10 @@ class VegasOptions:
     sparse_attn_max_tokens: Any = None
     num_sink_pages: int = 1
     gamma_policy: str = "auto"
+    draft_granularity: str = "page"
 
     def __post_init__(self):
-        values = {k: getattr(self, k) for k in OPTION_KEYS if k != "gamma_policy"}
+        values = {k: getattr(self, k) for k in OPTION_KEYS if k not in ("gamma_policy", "draft_granularity")}
         values["num_sink_blocks"] = values.pop("num_sink_pages")
         out = config.check_selection({"sparse_attn_algorithm": values.pop("sparse_attn_algorithm")}, _LABELS,
                                      algorithms=ALGORITHMS)
@@ -67,6 +79,10 @@ class VegasOptions:
         if not isinstance(gp, str) or gp not in GAMMA_POLICIES:
             raise ValueError(f"{_PREFIX}gamma_policy must be one of {GAMMA_POLICIES}, got {gp!r}")
         out["gamma_policy"] = str(gp)
+        dg = self.draft_granularity
+        if not isinstance(dg, str) or dg not in DRAFT_GRANULARITIES:
+            raise ValueError(f"{_PREFIX}draft_granularity must be one of {DRAFT_GRANULARITIES}, got {dg!r}")
+        out["draft_granularity"] = str(dg)
         for k, v in out.items():  # normalized (a numpy integer becomes an int); frozen, hence setattr
             object.__setattr__(self, k, v)
 
@@ -80,6 +96,11 @@ class VegasOptions:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def budget_tokens(self, context_len: int) -> int:
+        """Tokens in a token-granular draft's budget (sinks included) for ``context_len`` tokens."""
+        return config.budget_blocks(context_len, self.sparse_attn_ratio, self.sparse_attn_min_tokens,
+                                    self.sparse_attn_max_tokens, 1)
 
     def budget_pages(self, context_len: int, page_size: int) -> int:
         """Pages in the draft's budget (sinks included) for a context of ``context_len`` tokens

@@ -23,6 +23,14 @@ not yet written) and the verification window ``[tail_start, seq_len)`` (the last
    reserved γ lookahead slots). The next draft token is the argmax of the logits (identical on
    every tensor-parallel rank: vLLM all-gathers logits on CPU).
 
+With ``draft_granularity="token"`` (issue 32) steps 1-3 work on tokens instead of pages, as the
+decode loop does at block size 1: the budget is ``clamp(ceil(ratio * (P + 1)), min_tokens,
+max_tokens)`` tokens (``num_sink_pages * page_size`` sink tokens first) among the candidates
+``[0, tail_start)``; ``"vegas"`` ranks them per (layer, KV head) by the per-token attention mass of
+the verification (the backend's ``score_block_size=1``); each draft step attends through the real
+block table with :func:`vegas_ext.ops.paged_sparse_draft_attention` (the selected tokens of the
+layer's KV head, then the tail ``[tail_start, P + j]``).
+
 A request drafts fewer tokens when its reserved slots or ``max_model_len`` end earlier, and none
 when it sampled nothing this step (a partial prefill chunk). With ``gamma_policy="auto"`` each
 request drafts its own number ``0..γ`` (γ = ``num_speculative_tokens``, the lookahead the scheduler
@@ -63,12 +71,14 @@ class _Drafting:
     """The requests of one step that draft, as index tensors on the cache's device.
 
     ``rows``: batch indices; ``P``: position of each request's sampled token; ``tail0``: first
-    tail page; ``ndraft``: drafts per request (its cap); ``last``: the sampled token; ``bt``:
-    ``[R, W]`` physical pages of each request."""
+    tail page; ``tail_tok``: first tail token (int32; the verification window's first token);
+    ``ndraft``: drafts per request (its cap); ``last``: the sampled token; ``bt``: ``[R, W]``
+    physical pages of each request."""
 
     rows: List[int]
     P: torch.Tensor
     tail0: torch.Tensor
+    tail_tok: torch.Tensor
     ndraft: torch.Tensor
     ndraft_list: List[int]
     last: torch.Tensor
@@ -120,7 +130,11 @@ class VegasProposer:
         }
         self._stats_dir = os.environ.get("VEGAS_VLLM_STATS_DIR") or None
         self._needs_scores = self.options.sparse_attn_algorithm == "vegas"
-        self.state = VegasState(collect=self._needs_scores, num_queries=self.num_speculative_tokens + 1)
+        self._token = self.options.draft_granularity == "token"
+        self.state = VegasState(collect=self._needs_scores, num_queries=self.num_speculative_tokens + 1,
+                                score_block_size=1 if self._token else None)
+        if self._token:
+            self.stats.update(tokens_read=0, tokens_dense=0, budget_tokens=0, tail_tokens=0)
         self._attached = False
         #: γ per request (``gamma_policy="auto"``), else ``None``: every request drafts γ
         self.gamma_policy = (PerRequestGamma(self.num_speculative_tokens) if self.options.gamma_policy == "auto"
@@ -163,11 +177,17 @@ class VegasProposer:
             self._check_layers(runner, layer_names)
             bs = int(group.kv_cache_spec.block_size)
             req = self._requests(runner, group, cm, sampled_token_ids, bs, req_ids)
-        if req is not None:
+        if req is not None and self._token:
+            t0 = time.perf_counter()
+            sel = self._select_tokens(req, scores, layer_names, int(group.kv_cache_spec.num_kv_heads), bs)
+            t1 = time.perf_counter()
+            drafts = self._draft_tokens(runner, group.get_metadata_builder(0), layer_names, req, sel, bs)
+        elif req is not None:
             t0 = time.perf_counter()
             tables = self._tables(req, self._select(req, scores, layer_names, bs), bs)
             t1 = time.perf_counter()
             drafts = self._draft(runner, group.get_metadata_builder(0), layer_names, req, tables, bs)
+        if req is not None:
             t_select, t_draft = t1 - t0, time.perf_counter() - t1
             self.stats["steps"] += 1
             for r, i in enumerate(req.rows):
@@ -223,10 +243,13 @@ class VegasProposer:
         if not self._attached:  # load_model was not given the model whose layers run
             attach_state(runner.model, self.state)
             self._attached = True
+        if self._token and runner.device.type != "cpu":
+            raise RuntimeError("vegas_ext.vllm: draft_granularity='token' runs on the CPU_ATTN backend only; "
+                               "use draft_granularity='page'")
         ctx = runner.compilation_config.static_forward_context
         for name in layer_names if runner.device.type == "cpu" else ():
             isa = getattr(ctx[name], "isa", None)
-            if self.state.collect and isa not in PLAIN_KEY_ISAS:
+            if (self.state.collect or self._token) and isa not in PLAIN_KEY_ISAS:
                 raise RuntimeError(
                     f"vegas_ext.vllm: the CPU attention ISA {isa!r} of layer {name} stores keys in a layout "
                     f"paged_block_scores does not read (supported: {PLAIN_KEY_ISAS}); use float32 or "
@@ -254,21 +277,22 @@ class VegasProposer:
                 cand.append((i, p, cap))
         if self.gamma_policy is not None and cand:
             cand = [(i, p, g) for (i, p, _), g in zip(cand, self._choose([(req_ids[i], c) for i, _, c in cand]))]
-        rows, P, tail0, ndraft, last = [], [], [], [], []
+        rows, P, tail_tok, ndraft, last = [], [], [], [], []
         for i, p, cap in cand:
             if cap <= 0:
                 continue
             rows.append(i)
             P.append(p)
-            tail0.append((int(ver_lens[i]) - min(int(q_lens[i]), gamma + 1)) // bs)
+            tail_tok.append(int(ver_lens[i]) - min(int(q_lens[i]), gamma + 1))
             ndraft.append(cap)
             last.append(int(sampled_token_ids[i][-1]))
         if not rows:
             return None
         dev = bt_all.device
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        tail_t = torch.tensor(tail_tok, dtype=torch.int32, device=dev)
         return _Drafting(rows=rows, P=torch.tensor(P, dtype=torch.long, device=dev),
-                         tail0=torch.tensor(tail0, dtype=torch.long, device=dev),
+                         tail0=tail_t.long() // bs, tail_tok=tail_t,
                          ndraft=torch.tensor(ndraft, device=dev), ndraft_list=ndraft,
                          last=torch.tensor(last, dtype=torch.int32, device=dev), bt=bt_all[rows_t].long())
 
@@ -303,6 +327,89 @@ class VegasProposer:
             return sel, k, False
         sel = streaming_indices(k, nc, opts.num_sink_pages, max_k).view(1, R, max_k).expand(L, R, max_k)
         return sel, k, True
+
+    def _select_tokens(self, req: _Drafting, scores, layer_names, num_kv_heads: int, bs: int):
+        """Token-granular selection: logical token ids ``[L, R, H_kv, max_k]`` int32 (ascending, -1
+        padded) and the budget ``k`` ``[R]`` in tokens. ``"vegas"``: per (layer, KV head) top-k of
+        the per-token scores, sink tokens first; ``"streamingllm"`` (or no scores): sink tokens plus
+        the most recent candidates, the same for every layer and head."""
+        opts = self.options
+        L, R, dev = len(layer_names), len(req.rows), req.bt.device
+        k = torch.tensor([opts.budget_tokens(p + 1) for p in req.P.tolist()], dtype=torch.int32, device=dev)
+        nc = req.tail_tok
+        max_k = max(1, int(torch.minimum(k, nc).max()))
+        sinks = opts.num_sink_pages * bs
+        if opts.sparse_attn_algorithm == "vegas" and all(n in scores for n in layer_names):
+            rows_t = torch.tensor(req.rows, dtype=torch.long, device=scores[layer_names[0]].device)
+            s = torch.stack([scores[n][rows_t] for n in layer_names])  # [L, R, H_kv, W]
+            H, W = s.shape[2], s.shape[3]
+            sel = ops.block_topk(s.reshape(L * R, H, W), k.repeat(L), nc.repeat(L), max_k, sinks)
+            return sel.view(L, R, H, max_k), k
+        sel = streaming_indices(k, nc, sinks, max_k).view(1, R, 1, max_k).expand(L, R, num_kv_heads, max_k)
+        return sel, k
+
+    def _draft_tokens(self, runner, builder, layer_names, req: _Drafting, selection, bs: int) -> torch.Tensor:
+        """γ greedy token-granular draft forwards (see :meth:`_draft`): every layer attends through
+        the real block table to its selected tokens plus the tail, by way of the state the
+        attention backend reads (:func:`vegas_ext.vllm.backend.draft_token_attention`)."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        sel, k = selection
+        gamma, R, L = self.num_speculative_tokens, len(req.rows), len(layer_names)
+        st, stats = self.state, self.stats
+        nsel = (sel >= 0).sum(-1).amax(-1)  # [L, R] tokens read per head before the tail
+        tokens = req.last
+        drafts = torch.zeros(R, gamma, dtype=torch.long)
+        bt32 = req.bt.to(torch.int32)
+        n_prev = -1
+        st.drafting = True
+        try:
+            for j in range(gamma):
+                act = (req.ndraft > j).nonzero().flatten()
+                n = int(act.numel())
+                if n == 0:
+                    break
+                if n != n_prev:  # the active requests only ever shrink
+                    full = n == R
+                    st.draft_tokens = {name: (sel[li] if full else sel[li, act]).contiguous()
+                                       for li, name in enumerate(layer_names)}
+                    st.draft_tail = req.tail_tok if full else req.tail_tok[act].contiguous()
+                    bt_act = bt32 if full else bt32[act].contiguous()
+                    qsl = torch.arange(n + 1, dtype=torch.int32, device=act.device)
+                    n_prev = n
+                pos = req.P[act] + j
+                slots = req.bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
+                lens = (pos + 1).to(torch.int32)
+                c = CommonAttentionMetadata(
+                    query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=lens, num_reqs=n,
+                    num_actual_tokens=n, max_query_len=1, max_seq_len=int(lens.max()), block_table_tensor=bt_act,
+                    slot_mapping=slots, causal=True, seq_lens_cpu_upper_bound=lens.cpu(), positions=pos)
+                built = builder.build(0, c)
+                md = {name: built for name in layer_names}
+                tail_len = pos + 1 - req.tail_tok[act].long()
+                read = nsel[:, act] + tail_len.view(1, n)  # [L, n]
+                stats["draft_tokens"] += n
+                stats["tokens_read"] += int(read.sum())
+                stats["tokens_dense"] += int((pos + 1).sum()) * L
+                stats["budget_tokens"] += int(k[act].sum()) * L
+                stats["tail_tokens"] += int(tail_len.sum()) * L
+                stats["max_over_budget"] = max(stats["max_over_budget"],
+                                               int((read - (k[act].view(1, n) + tail_len.view(1, n))).max()))
+                stats["sparse_layer_steps"] += int((read < (pos + 1).view(1, n)).sum())
+                with set_forward_context(md, self.vllm_config, num_tokens=n,
+                                         slot_mapping={name: slots for name in layer_names}):
+                    hidden = runner.model(input_ids=tokens[act], positions=pos, intermediate_tensors=None,
+                                          inputs_embeds=None)
+                nxt = runner.model.compute_logits(hidden).argmax(dim=-1)
+                stats["draft_forwards"] += 1
+                drafts[act.cpu(), j] = nxt.cpu().long()
+                tokens = tokens.clone()
+                tokens[act] = nxt.to(torch.int32)
+        finally:
+            st.drafting = False
+            st.draft_tokens = st.draft_tail = None
+        return drafts
 
     @staticmethod
     def _tables(req: _Drafting, selection, bs: int) -> _Tables:
