@@ -125,8 +125,6 @@ def test_token_drafts_are_sparse(greedy_runs):
     assert s["tokens_read"] < 0.5 * s["tokens_dense"], s
     assert s["sparse_layer_steps"] > 0
     assert s["pages_read"] == 0  # no compacted tables
-    print({k: mean_acceptance_length(greedy_runs[k]["metrics"]) for k in ("vegas", "streamingllm", "vegas-token")},
-          {k: greedy_runs[k]["stats"] for k in ("vegas", "vegas-token")})
 
 
 def _expect_construction_error(cfg, pattern):
