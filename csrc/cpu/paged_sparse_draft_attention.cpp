@@ -5,11 +5,13 @@
 //
 // Work units: (request r, KV head g, block of at most kMaxRows query rows). A unit walks a virtual
 // token list -- the selected tokens (ascending), then the tail (ascending) -- so causality only
-// ever cuts a suffix of it. Per chunk of kChunk virtual tokens it gathers the keys into fp32
-// [D, chunk] (tokens in lanes) and the values into [chunk, D] (head_dim in lanes), whatever the
-// cache layout and dtype, and runs paged_verify_attention's micro-kernels on them: QK, the online
-// softmax per row (FlashAttention-style), P V. Gathering a chunk costs what reading it costs;
-// with vLLM's CPU key pages ([D, page_size]) a lone selected token still pulls D cache lines.
+// ever cuts a suffix of it. Per chunk of kChunk virtual tokens it runs paged_verify_attention's
+// micro-kernels: QK, the online softmax per row (FlashAttention-style), P V. On vLLM's fp32 CPU
+// cache (keys [D, page_size], values [page_size, D]) they read each run of >= kMinRun consecutive
+// tokens of one page (the tail, clusters of selected tokens) straight from the cache; shorter runs,
+// other layouts and bf16 / fp16 caches are gathered into fp32 [D, chunk] keys and [chunk, D]
+// values first (a lone token's QK straight from a key page would be D dependent scalar FMAs per
+// row). Either way a lone selected token pulls D cache lines of keys in vLLM's layout.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -44,6 +46,7 @@ namespace {
 
 constexpr int64_t kMaxRows = 48;  // query rows of a unit (drafts have G or G x few)
 constexpr int64_t kChunk = 256;   // virtual tokens per online-softmax step (scores stay in L1/L2)
+constexpr int64_t kMinRun = 16;   // shortest run read in place (one AVX-512 vector of tokens)
 
 struct Unit {
   int64_t r, g, i0, i1;  // request, KV head, its queries [i0, i1)
@@ -55,9 +58,15 @@ struct Strides {
   int64_t vs_p, vs_h, vs_t, vs_d;
 };
 
+struct Run {
+  int64_t v, n, page, off;  // virtual tokens [v, v + n) of the chunk: tokens off.. of one page
+  bool in_place;            // read from the cache (else gathered into the chunk's buffers at v)
+};
+
 struct ThreadBuf {
   std::vector<float> qf, s, kbuf, vbuf, acc, m, l;
   std::vector<int32_t> sel;
+  std::vector<Run> runs;
 };
 
 template <typename T>
@@ -73,6 +82,8 @@ void paged_draft_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, c
       for (int64_t i0 = 0; i0 < ql; i0 += qb) units.push_back({r, g, i0, std::min(i0 + qb, ql)});
   }
   const int64_t ss = kChunk + 2 * kMaxLanes;  // row stride of the scores
+  // fp32 with tokens contiguous in the key pages and head_dim in the value pages: no gather
+  const bool direct = std::is_same_v<T, float> && st.ks_t == 1 && st.vs_d == 1;
   parallel_tasks(
       static_cast<int64_t>(units.size()), kMaxRows * (K + kChunk), [] { return 0; },
       [&](int&, int64_t task) {
@@ -106,19 +117,52 @@ void paged_draft_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, c
         const T* kg = kc + u.g * st.ks_h;
         const T* vg = vc + u.g * st.vs_h;
         const int R32 = static_cast<int>(rows), D32 = static_cast<int>(D);
+        auto token = [&](int64_t v) { return v < nsel ? int64_t(tb.sel[v]) : ts + (v - nsel); };
         for (int64_t c0 = 0; c0 < nv; c0 += kChunk) {
           const int64_t nt = std::min(kChunk, nv - c0);
-          // gather: token by token, so the D cache lines of a [D, page_size] key page that a run
-          // of neighbouring selected tokens shares stay in L1 between them
-          for (int64_t v = 0; v < nt; ++v) {
-            const int64_t t = c0 + v < nsel ? tb.sel[c0 + v] : ts + (c0 + v - nsel);
-            const int64_t pg = pages[t / ps], off = t % ps;
-            const T* ksrc = kg + pg * st.ks_p + off * st.ks_t;
-            const T* vsrc = vg + pg * st.vs_p + off * st.vs_t;
-            for (int64_t e = 0; e < D; ++e) kb[e * kChunk + v] = static_cast<float>(ksrc[e * st.ks_d]);
-            for (int64_t e = 0; e < D; ++e) vb[v * D + e] = static_cast<float>(vsrc[e * st.vs_d]);
+          if (direct) {
+            // runs of consecutive tokens within one page: long ones in place, short ones gathered,
+            // consecutive short ones merged into one gathered segment
+            tb.runs.clear();
+            for (int64_t v = 0; v < nt;) {
+              const int64_t t = token(c0 + v), off = t % ps;
+              int64_t n = 1;
+              while (v + n < nt && off + n < ps && token(c0 + v + n) == t + n) ++n;
+              const T* kp = kg + pages[t / ps] * st.ks_p;
+              if (n >= kMinRun) {
+                tb.runs.push_back({v, n, pages[t / ps], off, true});
+              } else {
+                for (int64_t i = 0; i < n; ++i) {
+                  const T* ksrc = kp + (off + i);
+                  const T* vsrc = vg + pages[t / ps] * st.vs_p + (off + i) * st.vs_t;
+                  for (int64_t e = 0; e < D; ++e) kb[e * kChunk + v + i] = static_cast<float>(ksrc[e * st.ks_d]);
+                  std::copy(vsrc, vsrc + D, vb + (v + i) * D);
+                }
+                if (!tb.runs.empty() && !tb.runs.back().in_place && tb.runs.back().v + tb.runs.back().n == v)
+                  tb.runs.back().n += n;
+                else
+                  tb.runs.push_back({v, n, 0, 0, false});
+              }
+              v += n;
+            }
+            for (const Run& ru : tb.runs) {
+              const float* kf = ru.in_place ? reinterpret_cast<const float*>(kg + ru.page * st.ks_p) + ru.off : kb + ru.v;
+              VEGAS_ISA_CALL(pvt_qk_page, tb.qf.data(), R32, D32, kf, ru.in_place ? st.ks_d : kChunk,
+                             static_cast<int>(ru.n), s + ru.v, ss);
+            }
+          } else {
+            // gather: token by token, so the D cache lines of a [D, page_size] key page that a
+            // run of neighbouring selected tokens shares stay in L1 between them
+            for (int64_t v = 0; v < nt; ++v) {
+              const int64_t t = token(c0 + v);
+              const int64_t pg = pages[t / ps], off = t % ps;
+              const T* ksrc = kg + pg * st.ks_p + off * st.ks_t;
+              const T* vsrc = vg + pg * st.vs_p + off * st.vs_t;
+              for (int64_t e = 0; e < D; ++e) kb[e * kChunk + v] = static_cast<float>(ksrc[e * st.ks_d]);
+              for (int64_t e = 0; e < D; ++e) vb[v * D + e] = static_cast<float>(vsrc[e * st.vs_d]);
+            }
+            VEGAS_ISA_CALL(pvt_qk_page, tb.qf.data(), R32, D32, kb, kChunk, static_cast<int>(nt), s, ss);
           }
-          VEGAS_ISA_CALL(pvt_qk_page, tb.qf.data(), R32, D32, kb, kChunk, static_cast<int>(nt), s, ss);
           for (int64_t rr = 0; rr < rows; ++rr) {
             // query i sees the selected tokens and the tail up to its own position pos0 + i
             const int64_t vis = std::min<int64_t>(nsel + pos0 + u.i0 + rr / G + 1 - ts, c0 + nt) - c0;
@@ -126,7 +170,15 @@ void paged_draft_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, c
             if (alpha != 1.f)
               for (int64_t e = 0; e < D; ++e) tb.acc[rr * D + e] *= alpha;
           }
-          VEGAS_ISA_CALL(pvt_pv_page, s, ss, R32, vb, D, static_cast<int>(nt), tb.acc.data(), D32);
+          if (direct)
+            for (const Run& ru : tb.runs) {
+              const float* vf = ru.in_place ? reinterpret_cast<const float*>(vg + ru.page * st.vs_p) + ru.off * st.vs_t
+                                            : vb + ru.v * D;
+              VEGAS_ISA_CALL(pvt_pv_page, s + ru.v, ss, R32, vf, ru.in_place ? st.vs_t : D, static_cast<int>(ru.n),
+                             tb.acc.data(), D32);
+            }
+          else
+            VEGAS_ISA_CALL(pvt_pv_page, s, ss, R32, vb, D, static_cast<int>(nt), tb.acc.data(), D32);
         }
         for (int64_t rr = 0; rr < rows; ++rr) {
           // l > 0: every query sees at least itself; NaN l (a NaN score) poisons the row
@@ -157,8 +209,8 @@ at::Tensor paged_sparse_draft_attention_cpu(const at::Tensor& q, const at::Tenso
   const int64_t K = idx_t.size(2);
   check_paged_values(op, qsl, lens, btp, sh);
   check_paged_draft_values(op, qsl, lens, idx, tail, K, sh);
-  const Strides st{q.stride(0),           q.stride(1),           q.stride(2),           key_cache.stride(0),
-                   key_cache.stride(1),   key_cache.stride(2),   key_cache.stride(3),   value_cache.stride(0),
+  const Strides st{q.stride(0), q.stride(1), q.stride(2), key_cache.stride(0),
+                   key_cache.stride(1), key_cache.stride(2), key_cache.stride(3), value_cache.stride(0),
                    value_cache.stride(1), value_cache.stride(2), value_cache.stride(3)};
   // every row of a request is written; rows past query_start_loc[R] stay zero
   auto out32 = at::zeros({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));

@@ -61,8 +61,9 @@ Granularity and limits: by default selection is per layer at page granularity (v
 size, a multiple of 32; one block table per request, so all KV heads of a layer share the pages --
 with tensor parallelism each rank ranks pages by its own KV heads). ``draft_granularity="token"``
 (CPU only) selects tokens per (layer, KV head) from per-token verification scores and drafts through
-:func:`vegas_ext.ops.paged_sparse_draft_attention` over the real block table (docs/vllm.md). Models: plain decoder-only attention
-in one KV cache group (``llama``, ``qwen2``, ``qwen3``, ``mistral``), no pipeline parallelism.
+:func:`vegas_ext.ops.paged_sparse_draft_attention` over the real block table (docs/vllm.md).
+Models: plain decoder-only attention in one KV cache group (``llama``, ``qwen2``, ``qwen3``,
+``mistral``), no pipeline parallelism.
 Platforms: CPU (``CPU_ATTN``), tested. CUDA: an experimental ``FLASH_ATTN`` subclass
 (:mod:`vegas_ext.vllm.backend_flash`, page scores through the PyTorch reference of
 ``paged_block_scores``) written against vLLM's source but never run on a GPU; it is enabled only
