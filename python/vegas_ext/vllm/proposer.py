@@ -340,11 +340,14 @@ class VegasProposer:
         max_k = max(1, int(torch.minimum(k, nc).max()))
         sinks = opts.num_sink_pages * bs
         if opts.sparse_attn_algorithm == "vegas" and all(n in scores for n in layer_names):
-            rows_t = torch.tensor(req.rows, dtype=torch.long, device=scores[layer_names[0]].device)
-            s = torch.stack([scores[n][rows_t] for n in layer_names])  # [L, R, H_kv, W]
-            H, W = s.shape[2], s.shape[3]
-            sel = ops.block_topk(s.reshape(L * R, H, W), k.repeat(L), nc.repeat(L), max_k, sinks)
-            return sel.view(L, R, H, max_k), k
+            first = scores[layer_names[0]]
+            every = len(req.rows) == first.shape[0] and req.rows == list(range(R))
+            rows_t = None if every else torch.tensor(req.rows, dtype=torch.long, device=first.device)
+            # one top-k per layer on its own scores: stacking [L, R, H_kv, W] per-token scores
+            # (12 MB at 8K x 4 for SmolLM2) cost more than the top-k itself
+            sel = torch.stack([ops.block_topk(scores[n] if every else scores[n].index_select(0, rows_t), k, nc,
+                                              max_k, sinks) for n in layer_names])
+            return sel, k
         sel = streaming_indices(k, nc, sinks, max_k).view(1, R, 1, max_k).expand(L, R, num_kv_heads, max_k)
         return sel, k
 
