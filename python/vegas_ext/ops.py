@@ -1226,7 +1226,8 @@ def paged_verify_attention(
     to the scores (the reference gives NaN pages).
 
     CPU kernel (csrc/cpu/paged_verify_attention.cpp) and CUDA kernel (SIMT; correct on an H200
-    but 25-100x slower than verify_attention, bench/results/gpu_h200): like the other CUDA kernels it runs only when enabled
+    but 25-100x slower than verify_attention, bench/results/gpu_h200): like the other CUDA kernels
+    it runs only when enabled
     (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`), else CUDA tensors use the
     checked plain-PyTorch reference. Without ``VEGAS_CUDA_VALUE_CHECKS=1`` the CUDA kernel makes no
     host sync: a request with out-of-range lengths gets NaN scores and no output.
