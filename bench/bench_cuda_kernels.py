@@ -14,7 +14,10 @@ pass) and 16 (slots), full-length rows. Per (S, batch, block size):
 * block_topk of the verification's block scores (k = the 5 % budget, 1 sink): time and
   its share of one verify_attention call;
 * the workspace of one verify_attention call: measured (peak bytes requested from the
-  caching allocator minus the outputs) and vegas_ext.ops.cuda_workspace_bytes.
+  caching allocator minus the outputs) and vegas_ext.ops.cuda_workspace_bytes;
+* at S <= 32K, paged_verify_attention (the vLLM plugin's one pass: output and page scores)
+  on the same keys and values as 16-token pages, against verify_attention and SDPA-flash,
+  and paged_block_scores alone (what the two-pass form adds to the engine's attention).
 Then one op-level decode step (gamma = 6 drafts and one verification of 7 queries over
 8 layers, block size 1, top-k selection; 32K context, batch 8): host syncs per step
 (torch.cuda.set_sync_debug_mode; expected 0), and with VEGAS_CUDA_VALUE_CHECKS=1 for
@@ -28,6 +31,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -66,17 +70,28 @@ def cuda_time_ms(fn, target_ms=150.0, min_reps=5, max_reps=100):
 
 
 def host_syncs(fn):
-    """Synchronizing CUDA calls torch detects while fn() runs (set_sync_debug_mode)."""
+    """Synchronizing CUDA calls torch detects while fn() runs (set_sync_debug_mode "warn"), and
+    their distinct messages. Torch reports them as Python warnings or, from inside a custom op's
+    C++ code, on the process's stderr: both are counted (stderr is captured at the fd)."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        os.dup2(tmp.fileno(), 2)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        lines = [ln for ln in tmp.read().decode(errors="replace").splitlines() if "synchroniz" in ln.lower()]
     torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    msgs = lines + [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    msgs = [m for m in msgs if "prototype feature" not in m]  # set_sync_debug_mode's own notice
+    return len(msgs), sorted({m.split("] ", 1)[-1][:160] for m in msgs})
 
 
 def workspace_measured(call, out_bytes):
@@ -119,11 +134,11 @@ def decode_step_check(layers=8, B=8, S=32768, gamma=6, K=1639, Hq=32, Hkv=8, D=1
 
     r = dict(layers=layers, B=B, S=S, gamma=gamma, K=K, block_size=bs)
     step()
-    r["host_syncs_per_step"] = host_syncs(step)
+    r["host_syncs_per_step"], r["host_sync_messages"] = host_syncs(step)
     prev = os.environ.get("VEGAS_CUDA_VALUE_CHECKS")
     os.environ["VEGAS_CUDA_VALUE_CHECKS"] = "1"
     try:
-        r["host_syncs_per_step_with_value_checks"] = host_syncs(step)
+        r["host_syncs_per_step_with_value_checks"], _ = host_syncs(step)
     finally:
         if prev is None:
             del os.environ["VEGAS_CUDA_VALUE_CHECKS"]
@@ -240,6 +255,29 @@ def draft_and_topk_row(r, q, k, v, lens, bs, bsc, budget, bw):
     r["topk_share_of_verify"] = r["topk_ms"] / r["verify_ms"]
 
 
+def paged_row(r, q, k, v, lens, sd_ms, ps=16):
+    """Times paged_verify_attention and paged_block_scores on ``k``/``v`` cut into pages of ``ps``
+    tokens (the flash layout [pages, H_kv, ps, D]); returns its Markdown line."""
+    B, S = r["B"], r["S"]
+    npg = S // ps
+    kc = k.view(B, HKV, npg, ps, D).permute(0, 2, 1, 3, 4).reshape(B * npg, HKV, ps, D)
+    vc = v.view(B, HKV, npg, ps, D).permute(0, 2, 1, 3, 4).reshape(B * npg, HKV, ps, D)
+    bt = torch.arange(B * npg, dtype=torch.int32, device=q.device).view(B, npg)
+    qp = q.reshape(B * Q, HQ, D)
+    qsl = torch.arange(0, B * Q + 1, Q, dtype=torch.int32, device=q.device)
+    scale = D ** -0.5
+    pva = lambda: torch.ops.vegas.paged_verify_attention(qp, kc, vc, bt, lens, qsl, Q, scale)  # noqa: E731
+    pbs = lambda: torch.ops.vegas.paged_block_scores(qp, kc, bt, lens, qsl, Q, scale)  # noqa: E731
+    out, _ = pva()
+    dense_out = torch.ops.vegas.verify_attention(q, k, v, lens, ps, scale, None)[0]
+    r["paged_max_err_vs_verify"] = (out.view(B, Q, HQ, D).float() - dense_out.float()).abs().max().item()
+    r["paged_verify_ms"] = cuda_time_ms(pva)
+    r["paged_block_scores_ms"] = cuda_time_ms(pbs)
+    sd = f"{r['paged_verify_ms'] / sd_ms:.2f}x" if sd_ms else "n/a"
+    return (f"| {S} | {B} | {r['paged_verify_ms']:.3f} | {r['paged_verify_ms'] / r['verify_ms']:.2f}x | {sd} | "
+            f"{r['paged_block_scores_ms']:.3f} | {r['paged_max_err_vs_verify']:.1e} |")
+
+
 def row_line(r, label) -> str:
     sd_txt = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "n/a"
     ratio = f"{r['verify_over_sdpa']:.2f}x" if "verify_over_sdpa" in r else f"n/a ({label})"
@@ -272,6 +310,8 @@ def cell_rows(meta, S, B, args, bw):
         draft_and_topk_row(r, q, k, v, lens, bs, bsc, args.budget, bw)
         line = row_line(r, label)
         print(line, flush=True)
+        if bs == args.block_sizes[0] and S <= 32768 and S % 16 == 0:
+            r["paged_line"] = paged_row(r, q, k, v, lens, sd_ms)
         out.append((r, line))
         del bsc
     del sd, sd_out, q, k, v
@@ -308,6 +348,12 @@ def main(argv=None):
             for r, line in cell_rows(meta, S, B, args, bw):
                 rows.append(r)
                 lines.append(line)
+    paged = [r.pop("paged_line") for r in rows if "paged_line" in r]
+    if paged:
+        lines += ["", "paged_verify_attention (one pass: output + 16-token page scores, Q 7, pages of 16 in order)",
+                  "", "| S | B | paged verify ms | / verify_attention | / SDPA-flash | paged_block_scores ms "
+                  "| max err vs verify_attention |", "|---|---|---|---|---|---|---|"] + paged
+        print("\n".join(lines[-len(paged) - 4:]), flush=True)
     if not args.skip_decode_step:
         ds = decode_step_check()
         rows.append(dict(meta, kind="decode_step", **ds))
@@ -316,6 +362,8 @@ def main(argv=None):
                   f"block size {ds['block_size']}, K {ds['K']}): host syncs per step {ds['host_syncs_per_step']} "
                   f"(with VEGAS_CUDA_VALUE_CHECKS=1: {ds['host_syncs_per_step_with_value_checks']}); "
                   f"step {ds['step_ms_eager']:.2f} ms eager, {ds['step_ms_graph']:.2f} ms as a CUDA graph"]
+        if ds["host_sync_messages"]:
+            lines[-1] += f" (syncs seen: {'; '.join(ds['host_sync_messages'])})"
         print(lines[-1], flush=True)
     sdpa_labels = sorted({r.get("sdpa_variant", "") for r in rows})
     lines += ["", f"SDPA variant(s): {'; '.join(sdpa_labels)}",

@@ -6,7 +6,8 @@
 #   2. runs tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph
 #      replay of a whole decode step, no host sync, workspace = formula, top-k ties/NaN; the
 #      CPU-only emulation tests are skipped here), tests/test_paged_block_scores_cuda.py (the
-#      paged_block_scores kernel vs its reference, graph capture, no sync), the draft-weights
+#      paged_block_scores kernel vs its reference, graph capture, no sync),
+#      tests/test_paged_verify_attention_cuda.py (the same for paged_verify_attention), the draft-weights
 #      fp16 path on CUDA (tests/test_draft_weights.py, lossless greedy) and the
 #      huge-block-size tests;
 #   3. runs bench/bench_cuda_kernels.py (S = 8K/32K/128K, batch 1/8/32, block sizes 1 and
@@ -18,7 +19,7 @@
 #      tau 5, our kernels -- vegas iteration vs tau plain steps (e2e_llama3_8b_shape.jsonl).
 # Everything it writes goes to bench/results/ and, when $OUT is set, to $OUT as well
 # (gpu_check.log, build.log, tests.log, test_cuda_ops.xml, kernels_cuda.{md,jsonl}, e2e_llama3_8b_shape.jsonl).
-# Designed to finish within 8 minutes on a 16-core machine with an H100/H200.
+# Designed to finish within 9.5 minutes (the step timeouts add to 12.5) on a 16-core machine with an H100/H200.
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
 set -euo pipefail
@@ -54,13 +55,32 @@ fi
 export CUDA_HOME
 echo "CUDA_HOME=${CUDA_HOME:-<none>}"; "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version | tail -2 || true
 ARCH=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
+# A compiler that links libstdc++ statically into shared objects (seen on an H200 image: /opt/gcc/bin/g++,
+# a wrapper of Ubuntu's g++ 13.3) gives the extension its own iostreams, whose number formatting is
+# broken there: every error message with a number garbles (here) or segfaults (there). Probe $CXX on
+# a one-line shared object and fall back to the system compiler when it does so.
+links_static_libstdcxx() {
+  local d; d=$(mktemp -d)
+  printf '#include <sstream>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n' > "$d/p.cpp"
+  "$1" -shared -fPIC -O1 "$d/p.cpp" -o "$d/p.so" 2>/dev/null && nm -DC --defined-only "$d/p.so" | grep -q 'std::basic_ostream'
+  local rc=$?; rm -rf "$d"; return $rc
+}
+if links_static_libstdcxx "${CXX:-g++}"; then
+  echo "${CXX:-g++} links libstdc++ statically into shared objects"
+  if [ -x /usr/bin/g++ ] && ! links_static_libstdcxx /usr/bin/g++; then
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++
+    echo "building with the system compiler instead: $(/usr/bin/g++ --version | head -1)"
+  else
+    echo "WARNING: no compiler without static libstdc++ found: the extension's error messages will break"
+  fi
+fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export VEGAS_BUILD_CUDA=1
 
 step "1/4 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
 B0=$(date +%s)
-if ! timeout 330 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
+if ! timeout 300 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
   tail -60 "$DEST/build.log"
   echo "BUILD FAILED (full log: build.log)"
   exit 1
@@ -69,12 +89,12 @@ echo "build ok in $(( $(date +%s) - B0 ))s"
 SO=$(ls python/vegas_ext/_C*.so | head -1)
 command -v cuobjdump >/dev/null && cuobjdump --list-elf "$SO" || true
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention','paged_block_scores')))"
+"$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention','paged_block_scores','paged_verify_attention')))"
 
-step "2/4 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py"
+step "2/4 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py"
 set +e
-VEGAS_SKIP_EMULATOR=1 timeout 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
-  tests/test_paged_block_scores_cuda.py "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
+VEGAS_SKIP_EMULATOR=1 timeout 180 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
+  tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
   tests/test_draft_weights.py::test_cuda_maps_to_fp16_and_stays_lossless \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
 trc=${PIPESTATUS[0]}
@@ -83,7 +103,7 @@ if [ "$trc" -ne 0 ]; then echo "TESTS FAILED (rc $trc; full log: tests.log)"; st
 
 step "3/4 kernel microbenchmarks"
 set +e
-timeout 210 "$PY" -m bench.bench_cuda_kernels --out "$RES/kernels_cuda"
+timeout 150 "$PY" -m bench.bench_cuda_kernels --out "$RES/kernels_cuda"
 brc=$?
 set -e
 if [ "$brc" -ne 0 ]; then echo "BENCHMARK FAILED (rc $brc)"; status=1; fi
@@ -91,7 +111,7 @@ if [ "$DEST" != "$RES" ]; then cp -f "$RES"/kernels_cuda.* "$DEST"/ 2>/dev/null 
 
 step "4/4 end to end: random-weight Llama-3-8B shape, 32K context, batch 8, gamma 6, fixed acceptance tau 5"
 set +e
-VEGAS_CUDA_KERNELS=1 timeout 150 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
+VEGAS_CUDA_KERNELS=1 timeout 120 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
   --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --reps 3 --no-hf \
   --out "$DEST/e2e_llama3_8b_shape.jsonl"
 erc=$?

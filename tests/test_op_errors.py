@@ -246,3 +246,13 @@ def test_quest_fakes_validate_like_kernels():
                                             torch.zeros(2, 3, 4, 64, device="meta"), k,
                                             torch.zeros(2, dtype=torch.int32, device="meta"),
                                             torch.zeros(2, dtype=torch.int32, device="meta"), 16)
+
+
+def test_messages_keep_their_numbers():
+    """The numbers in a kernel's message survive formatting. An extension linked with a static
+    libstdc++ (a compiler wrapper did that on one GPU image) garbles them here and crashes there."""
+    q = torch.randn(2, 2, 4, 64)
+    k = torch.randn(2, 2, 50, 64)
+    bad = torch.tensor([51, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 51 must lie in \[Q, S\] = \[2, 50\]"):
+        torch.ops.vegas.verify_attention(q, k, k, bad, 16, 0.125, None)

@@ -5,7 +5,7 @@
 // its group and all queries; causality (only the tail can be masked) is applied per row.
 // Source of the method: Vegas, arXiv 2602.07223.
 //
-// STATUS: compiled, emulator-checked (csrc/cuda/emu); NOT yet run on GPU hardware.
+// STATUS: compiled, emulator-checked (csrc/cuda/emu); ran on an H200 (bench/results/gpu_h200).
 #pragma once
 
 #include "cuda/attention_kernel.cuh"

@@ -7,7 +7,7 @@
 // * block_size < 16: the block-score pass of block_scores_kernel.cuh, after the lse.
 // No [Q, S] probability matrix is written. Source of the method: Vegas, arXiv 2602.07223.
 //
-// STATUS: compiled, emulator-checked (csrc/cuda/emu); NOT yet run on GPU hardware.
+// STATUS: compiled, emulator-checked (csrc/cuda/emu); ran on an H200 (bench/results/gpu_h200).
 #pragma once
 
 #include "cuda/attention_kernel.cuh"
