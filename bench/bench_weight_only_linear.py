@@ -5,6 +5,9 @@ q/k/v/o/gate/up/down + the output layer) with: fp32 ``F.linear`` (the plain step
 fp16 and bf16 ``F.linear`` (PyTorch's own low-precision CPU path) and the kernel on fp16 and int8
 (groups of 64) weights; rounds interleave the variants, medians are reported. GB/s = weight bytes
 read / time; the read bandwidth is a 512 MB fp32 ``sum`` (1 thread unless --threads).
+``--torchao`` adds torchao's CPU weight-only int8 (``Int8WeightOnlyConfig``, per output channel)
+eager and under ``torch.compile`` (the well-kept alternatives issue 33 asked to try first; torchao
+is not a dependency: install it to run these).
 
     python -m bench.bench_weight_only_linear --out bench/results/draft_weights_xeon_avx512/kernel.json
 """
@@ -35,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--torchao", action="store_true", help="add torchao's int8 weight-only linears (eager, compiled)")
     return ap.parse_args(argv)
 
 
@@ -73,6 +77,25 @@ def step_fns(weights: dict, M: int) -> dict:
     }
 
 
+def torchao_fns(weights: dict, M: int, bytes_of: dict) -> dict:
+    """torchao's int8 weight-only linears over the same weights at ``M`` rows: eager and compiled."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    mods = torch.nn.ModuleList(torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights["fp32"])
+    with torch.no_grad():
+        for m, w in zip(mods, weights["fp32"]):
+            m.weight.copy_(w)
+    quantize_(mods, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, torch.nn.Linear))
+    xs = [torch.randn(M, w.shape[1]) for w in weights["fp32"]]
+
+    def step():
+        return [m(x) for m, x in zip(mods, xs)]
+
+    n_bytes = sum(w.numel() + 4 * w.shape[0] for w in weights["fp32"])
+    bytes_of["torchao int8"] = bytes_of["torchao int8 compiled"] = n_bytes
+    return {"torchao int8": step, "torchao int8 compiled": torch.compile(step)}
+
+
 def time_rounds(fns: dict, rounds: int) -> dict:
     """Seconds of each fn in each of ``rounds`` interleaved rounds, after one warm-up call each."""
     times = {k: [] for k in fns}
@@ -94,7 +117,12 @@ def main(argv=None):
     res = {"read_bandwidth_gbs": read_gbs, "threads": args.threads, "weights": n_w, "rows": {}}
     print(f"read bandwidth (512 MB fp32 sum, {args.threads} thread(s)): {read_gbs:.1f} GB/s; {n_w / 1e6:.0f} M weights")
     for M in args.rows:
-        times = time_rounds(step_fns(weights, M), args.rounds)
+        fns = step_fns(weights, M)
+        if args.torchao:
+            with torch.no_grad():
+                fns.update(torchao_fns(weights, M, bytes_of))
+        with torch.no_grad():
+            times = time_rounds(fns, args.rounds)
         row = {}
         for k, ts in times.items():
             t = statistics.median(ts)
