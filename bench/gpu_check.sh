@@ -93,7 +93,9 @@ export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 
 step "2/4 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py"
 set +e
-VEGAS_SKIP_EMULATOR=1 timeout 180 "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda_ops.py \
+# with pytest-xdist, a test that crashes its process fails alone instead of ending the run
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4" || true)
+VEGAS_SKIP_EMULATOR=1 timeout 180 "$PY" -m pytest -q -rfEs -p no:cacheprovider $XDIST tests/test_cuda_ops.py \
   tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
   tests/test_draft_weights.py::test_cuda_maps_to_fp16_and_stays_lossless \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
