@@ -355,64 +355,45 @@ class VegasProposer:
         """γ greedy token-granular draft forwards (see :meth:`_draft`): every layer attends through
         the real block table to its selected tokens plus the tail, by way of the state the
         attention backend reads (:func:`vegas_ext.vllm.backend.draft_token_attention`)."""
-        from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         sel, k = selection
-        gamma, R, L = self.num_speculative_tokens, len(req.rows), len(layer_names)
+        R, L = len(req.rows), len(layer_names)
         st, stats = self.state, self.stats
         nsel = (sel >= 0).sum(-1).amax(-1)  # [L, R] tokens read per head before the tail
-        tokens = req.last
-        drafts = torch.zeros(R, gamma, dtype=torch.long)
         bt32 = req.bt.to(torch.int32)
-        n_prev = -1
-        st.drafting = True
+        cached = {"n": -1}
+
+        def metadata(act, n, pos, slots):
+            if n != cached["n"]:  # the active requests only ever shrink
+                full = n == R
+                st.draft_tokens = {name: (sel[li] if full else sel[li, act]).contiguous()
+                                   for li, name in enumerate(layer_names)}
+                st.draft_tail = req.tail_tok if full else req.tail_tok[act].contiguous()
+                cached.update(n=n, bt=bt32 if full else bt32[act].contiguous(),
+                              qsl=torch.arange(n + 1, dtype=torch.int32, device=act.device))
+            lens = (pos + 1).to(torch.int32)
+            c = CommonAttentionMetadata(
+                query_start_loc=cached["qsl"], query_start_loc_cpu=cached["qsl"].cpu(), seq_lens=lens, num_reqs=n,
+                num_actual_tokens=n, max_query_len=1, max_seq_len=int(lens.max()), block_table_tensor=cached["bt"],
+                slot_mapping=slots, causal=True, seq_lens_cpu_upper_bound=lens.cpu(), positions=pos)
+            built = builder.build(0, c)
+            tail_len = pos + 1 - req.tail_tok[act].long()
+            read = nsel[:, act] + tail_len.view(1, n)  # [L, n]
+            stats["draft_tokens"] += n
+            stats["tokens_read"] += int(read.sum())
+            stats["tokens_dense"] += int((pos + 1).sum()) * L
+            stats["budget_tokens"] += int(k[act].sum()) * L
+            stats["tail_tokens"] += int(tail_len.sum()) * L
+            stats["max_over_budget"] = max(stats["max_over_budget"],
+                                           int((read - (k[act].view(1, n) + tail_len.view(1, n))).max()))
+            stats["sparse_layer_steps"] += int((read < (pos + 1).view(1, n)).sum())
+            return {name: built for name in layer_names}
+
         try:
-            for j in range(gamma):
-                act = (req.ndraft > j).nonzero().flatten()
-                n = int(act.numel())
-                if n == 0:
-                    break
-                if n != n_prev:  # the active requests only ever shrink
-                    full = n == R
-                    st.draft_tokens = {name: (sel[li] if full else sel[li, act]).contiguous()
-                                       for li, name in enumerate(layer_names)}
-                    st.draft_tail = req.tail_tok if full else req.tail_tok[act].contiguous()
-                    bt_act = bt32 if full else bt32[act].contiguous()
-                    qsl = torch.arange(n + 1, dtype=torch.int32, device=act.device)
-                    n_prev = n
-                pos = req.P[act] + j
-                slots = req.bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
-                lens = (pos + 1).to(torch.int32)
-                c = CommonAttentionMetadata(
-                    query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=lens, num_reqs=n,
-                    num_actual_tokens=n, max_query_len=1, max_seq_len=int(lens.max()), block_table_tensor=bt_act,
-                    slot_mapping=slots, causal=True, seq_lens_cpu_upper_bound=lens.cpu(), positions=pos)
-                built = builder.build(0, c)
-                md = {name: built for name in layer_names}
-                tail_len = pos + 1 - req.tail_tok[act].long()
-                read = nsel[:, act] + tail_len.view(1, n)  # [L, n]
-                stats["draft_tokens"] += n
-                stats["tokens_read"] += int(read.sum())
-                stats["tokens_dense"] += int((pos + 1).sum()) * L
-                stats["budget_tokens"] += int(k[act].sum()) * L
-                stats["tail_tokens"] += int(tail_len.sum()) * L
-                stats["max_over_budget"] = max(stats["max_over_budget"],
-                                               int((read - (k[act].view(1, n) + tail_len.view(1, n))).max()))
-                stats["sparse_layer_steps"] += int((read < (pos + 1).view(1, n)).sum())
-                with set_forward_context(md, self.vllm_config, num_tokens=n,
-                                         slot_mapping={name: slots for name in layer_names}):
-                    hidden = runner.model(input_ids=tokens[act], positions=pos, intermediate_tensors=None,
-                                          inputs_embeds=None)
-                nxt = runner.model.compute_logits(hidden).argmax(dim=-1)
-                stats["draft_forwards"] += 1
-                drafts[act.cpu(), j] = nxt.cpu().long()
-                tokens = tokens.clone()
-                tokens[act] = nxt.to(torch.int32)
+            return self._greedy_drafts(runner, layer_names, req, bs, metadata)
         finally:
-            st.drafting = False
             st.draft_tokens = st.draft_tail = None
-        return drafts
 
     @staticmethod
     def _tables(req: _Drafting, selection, bs: int) -> _Tables:
@@ -470,6 +451,21 @@ class VegasProposer:
     def _draft(self, runner, builder, layer_names, req: _Drafting, tables: _Tables, bs: int) -> torch.Tensor:
         """γ greedy draft forwards, one token per active request each; returns ``[R, γ]`` int64
         (CPU; entries past a request's ``ndraft`` are unused). Each token's K/V go to its real slot."""
+
+        def metadata(act, n, pos, slots):
+            dense_len = pos + 1
+            tail_len = dense_len - req.tail0[act] * bs
+            md = self._metadata(builder, layer_names, tables, act, tail_len, slots, pos, bs)
+            self._count(tables, act, dense_len, tail_len, bs)
+            return md
+
+        return self._greedy_drafts(runner, layer_names, req, bs, metadata)
+
+    def _greedy_drafts(self, runner, layer_names, req: _Drafting, bs: int, metadata) -> torch.Tensor:
+        """The draft loop both granularities share: step ``j`` runs one forward for the requests
+        with more than ``j`` drafts, at position ``P + j`` (K/V to its real slot), with the attention
+        metadata ``metadata(act, n, pos, slots)`` returns per layer, and takes the argmax. Returns
+        ``[R, γ]`` int64 on CPU (entries past a request's ``ndraft`` are unused)."""
         from vllm.forward_context import set_forward_context
 
         gamma, R = self.num_speculative_tokens, len(req.rows)
@@ -484,10 +480,7 @@ class VegasProposer:
                     break
                 pos = req.P[act] + j
                 slots = req.bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
-                dense_len = pos + 1
-                tail_len = dense_len - req.tail0[act] * bs
-                md = self._metadata(builder, layer_names, tables, act, tail_len, slots, pos, bs)
-                self._count(tables, act, dense_len, tail_len, bs)
+                md = metadata(act, n, pos, slots)
                 with set_forward_context(md, self.vllm_config, num_tokens=n,
                                          slot_mapping={name: slots for name in layer_names}):
                     hidden = runner.model(input_ids=tokens[act], positions=pos, intermediate_tensors=None,
