@@ -55,38 +55,41 @@ fi
 export CUDA_HOME
 echo "CUDA_HOME=${CUDA_HOME:-<none>}"; "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version | tail -2 || true
 ARCH=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")
-# A compiler that links libstdc++ statically into shared objects (seen on an H200 image: /opt/gcc/bin/g++,
-# a wrapper of Ubuntu's g++ 13.3) gives the extension its own iostreams, whose number formatting is
-# broken there: every error message with a number garbles (here) or segfaults (there). Probe $CXX on
-# a one-line shared object and fall back to the system compiler when it does so.
-links_static_libstdcxx() {
-  local d; d=$(mktemp -d)
-  printf '#include <sstream>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n' > "$d/p.cpp"
-  "$1" -shared -fPIC -O1 "$d/p.cpp" -o "$d/p.so" 2>/dev/null && nm -DC --defined-only "$d/p.so" | grep -q 'std::basic_ostream'
-  local rc=$?; rm -rf "$d"; return $rc
-}
-if links_static_libstdcxx "${CXX:-g++}"; then
-  echo "${CXX:-g++} links libstdc++ statically into shared objects"
-  if [ -x /usr/bin/g++ ] && ! links_static_libstdcxx /usr/bin/g++; then
-    export CC=/usr/bin/gcc CXX=/usr/bin/g++
-    echo "building with the system compiler instead: $(/usr/bin/g++ --version | head -1)"
-  else
-    echo "WARNING: no compiler without static libstdc++ found: the extension's error messages will break"
-  fi
-fi
+# A compiler that links libstdc++ statically into shared objects (seen on an H200 image:
+# CXX=/opt/gcc/bin/g++, a wrapper of Ubuntu's g++ 13.3) gives the extension its own iostreams, whose
+# number formatting is broken there: every error message with a number garbles (here) or segfaults
+# (there). A one-line probe of that wrapper did not show it, so the built .so itself is checked
+# (std::basic_ostream defined inside it) and rebuilt with the system compiler when it does.
+PY_CXX=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('CXX') or 'g++')")
+echo "C++ compiler: ${CXX:-$PY_CXX} (CXX=${CXX:-<unset>}, Python's: $PY_CXX); $(${CXX:-$PY_CXX} --version | head -1)"
+own_iostreams() { nm -DC --defined-only "$1" 2>/dev/null | grep -c 'std::basic_ostream' || true; }
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export VEGAS_BUILD_CUDA=1
 
 step "1/4 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
 B0=$(date +%s)
-if ! timeout 300 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
-  tail -60 "$DEST/build.log"
-  echo "BUILD FAILED (full log: build.log)"
-  exit 1
+build() {
+  rm -rf build python/vegas_ext/_C*.so
+  if ! timeout 300 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
+    tail -60 "$DEST/build.log"
+    echo "BUILD FAILED (full log: build.log)"
+    exit 1
+  fi
+  echo "build ok in $(( $(date +%s) - B0 ))s"
+  SO=$(ls python/vegas_ext/_C*.so | head -1)
+  NOWN=$(own_iostreams "$SO")
+  echo "std::basic_ostream symbols defined in $SO: $NOWN (0 = libstdc++ linked dynamically); $(ldd "$SO" | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'no libstdc++ in ldd')"
+}
+build
+if [ "$NOWN" -gt 0 ]; then
+  if [ -x /usr/bin/g++ ]; then
+    echo "the extension carries its own libstdc++: rebuilding with the system compiler ($(/usr/bin/g++ --version | head -1))"
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" LDCXXSHARED="/usr/bin/g++ -shared"
+    B0=$(date +%s); build
+  fi
+  [ "$NOWN" -eq 0 ] || echo "WARNING: the extension still defines its own iostreams: its error messages will break"
 fi
-echo "build ok in $(( $(date +%s) - B0 ))s"
-SO=$(ls python/vegas_ext/_C*.so | head -1)
 command -v cuobjdump >/dev/null && cuobjdump --list-elf "$SO" || true
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention','paged_block_scores','paged_verify_attention')))"
