@@ -37,9 +37,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto");
 # "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B);
-# "*_token": draft_granularity "token" (selected tokens per KV head instead of whole pages), γ fixed
-METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto", "vegas_token",
-           "streamingllm_token")
+# "*_token": draft_granularity "token" (selected tokens per KV head instead of whole pages), γ fixed;
+# every Vegas method drafts with int8 linears (draft_weights "int8") except "vegas_own_weights" (the
+# model's own weights, "vegas" otherwise: A/B)
+METHODS = ("none", "ngram", "vegas_2pass", "vegas", "vegas_own_weights", "streamingllm", "vegas_auto",
+           "vegas_token", "streamingllm_token")
+DEFAULT_METHODS = ["none", "ngram", "vegas", "streamingllm", "vegas_auto"]
 
 
 def spec_for(method, gamma, ratio, min_tokens):
@@ -51,10 +54,11 @@ def spec_for(method, gamma, ratio, min_tokens):
 
     auto = method == "vegas_auto"
     token = method.endswith("_token")
-    algo = "vegas" if method in ("vegas_auto", "vegas_2pass", "vegas_token") else method.removesuffix("_token")
+    algo = "streamingllm" if method.startswith("streamingllm") else "vegas"
     spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=algo,
                               sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens,
-                              draft_granularity="token" if token else "page")
+                              draft_granularity="token" if token else "page",
+                              draft_weights=None if method == "vegas_own_weights" else "int8")
     return dict(spec, gamma_policy="auto" if auto else "fixed")
 
 
@@ -229,8 +233,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv[1:]``); ``--method`` / ``--worker-out`` (hidden)
     make the process one method's worker."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vegas_2pass" and "_token" not in m],
-                   choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--new-tokens", type=int, default=64)

@@ -35,7 +35,7 @@ __all__ = [
     "DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS", "OptionTypeError",
     "check_int", "check_float", "check_bool", "check_choice", "check_token_ids",
     "check_length", "check_speculation", "check_budget", "check_selection", "check_sampling",
-    "check_generate_options", "check_seed", "budget_blocks",
+    "check_generate_options", "check_seed", "check_draft_weights", "budget_blocks",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -60,6 +60,10 @@ SUPPORTED_MODEL_TYPES: Tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 QUERY_WEIGHTS: Tuple[str, ...] = ("all", "first_last")
 #: ``draft_weights``: the precision of the weights the draft steps read (``None``: the model's own).
 DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8", "int4")
+_INT4_REFUSED = ("='int4' is not supported: 4-bit weights (groups of 32) agreed with the fp32 model's "
+                 "next-token argmax on only 60-61 % of positions on SmolLM2-135M (issue 33; 53-71 % on three "
+                 "documents in bench/results/draft_weights_xeon_avx512), too few accepted drafts to pay for "
+                 "verifying them; use 'int8' (97-98 %) or 'fp16' (99.6-100 %)")
 #: The smallest sampling ``temperature``: the fp32 logits are divided by it, and below ~1e-37 a
 #: logit of a few units overflows to ``inf`` (the softmax gives NaN); at 1e-5 a logit would have to
 #: exceed 3e33 to overflow. Lower it toward greedy with ``do_sample=False`` instead.
@@ -173,6 +177,16 @@ def _str_value(v: Any) -> Optional[str]:
     """The plain ``str`` value of ``v`` if it is a ``str`` (a subclass too: ``numpy.str_``, a
     user's ``str`` subclass; read without its own ``__str__`` / ``__eq__``), else ``None``."""
     return str.__str__(v) if isinstance(v, str) else None
+
+
+def check_draft_weights(v: Any, name: str = "draft_weights") -> Optional[str]:
+    """``v`` if it is one of :data:`DRAFT_WEIGHTS` and implemented, else ``ValueError`` naming
+    ``name`` (``"int4"`` is refused with the measured reason)."""
+    if isinstance(v, bool) or v not in DRAFT_WEIGHTS:
+        raise ValueError(f"{name} must be one of {list(DRAFT_WEIGHTS)}, got {v!r}")
+    if v == "int4":
+        raise ValueError(name + _INT4_REFUSED)
+    return v
 
 
 def check_choice(v: Any, name: str, choices: Iterable[Any]) -> Any:

@@ -41,34 +41,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops as _ops  # noqa: F401  (loads the compiled torch.ops.vegas.weight_only_linear)
+from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "DraftWeights", "check_draft_weights", "draft_weights_for",
            "quantize_int8"]
 
-#: The values of ``generate(draft_weights=...)``.
-DRAFT_WEIGHTS = (None, "fp16", "int8", "int4")
 #: Weights per int8 scale along the input dimension (a multiple of 16, the kernel's vector).
 INT8_GROUP_SIZE = 64
-
-_INT4_REFUSED = ("draft_weights='int4' is not supported: 4-bit weights (groups of 32) agreed with the fp32 "
-                 "model's next-token argmax on only 60-61 % of positions on SmolLM2-135M (issue 33; 53-71 % on "
-                 "three documents in bench/results/draft_weights_xeon_avx512), too few accepted drafts to pay for "
-                 "verifying them; use 'int8' (97-98 %) or 'fp16' (99.6-100 %)")
 
 #: The :class:`DraftWeights` whose copies the wrapped linears use on this thread (None: the originals).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_active", default=None)
 _INSTALL_LOCK = threading.Lock()
 _CPU_KERNEL = _ops.has_compiled_kernel("weight_only_linear", "cpu")
-
-
-def check_draft_weights(draft_weights) -> None:
-    """``ValueError`` naming ``draft_weights`` unless it is one of :data:`DRAFT_WEIGHTS` and
-    implemented (``"int4"`` is refused with the measured reason)."""
-    if draft_weights not in DRAFT_WEIGHTS or isinstance(draft_weights, bool):
-        raise ValueError(f"draft_weights must be one of {list(DRAFT_WEIGHTS)}, got {draft_weights!r}")
-    if draft_weights == "int4":
-        raise ValueError(_INT4_REFUSED)
 
 
 def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Tensor, Tensor]:

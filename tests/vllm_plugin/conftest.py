@@ -6,7 +6,7 @@ import pytest
 # The main suite (tests/) runs where vLLM is not installed: skip this folder there.
 if importlib.util.find_spec("vllm") is None:
     collect_ignore = ["test_vllm_plugin.py", "test_vllm_serve.py", "test_vllm_host_guard.py",
-                      "test_vllm_max_model_len.py"]
+                      "test_vllm_max_model_len.py", "test_vllm_draft_linears.py"]
 
 
 @pytest.fixture(scope="session")

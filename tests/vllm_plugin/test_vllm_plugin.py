@@ -52,13 +52,15 @@ def greedy_runs(smollm_dir, tokenizer, tmp_path_factory):
     cfg = {"llm": dict(BASE_LLM, model=smollm_dir, max_model_len=8192), "prompts": prompts,
            "sampling": {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}}
     runs = {"stock": run_llm(cfg, plugin=False)}
-    for name, algo, gran in (("vegas", "vegas", "page"), ("streamingllm", "streamingllm", "page"),
-                             ("vegas-token", "vegas", "token")):
+    # StreamingLLM drafts with the model's own weights, the others with int8 copies (the default)
+    for name, algo, gran, dw in (("vegas", "vegas", "page", "int8"), ("streamingllm", "streamingllm", "page", None),
+                                 ("vegas-token", "vegas", "token", "int8")):
         stats = str(tmp_path_factory.mktemp(f"stats-{name}"))
         c = json.loads(json.dumps(cfg))
         c["llm"]["speculative_config"] = dict(  # fixed γ: the tests below count γ drafts per step
             speculative_config(num_speculative_tokens=GAMMA, sparse_attn_algorithm=algo, sparse_attn_ratio=0.05,
-                               sparse_attn_min_tokens=256, draft_granularity=gran), gamma_policy="fixed")
+                               sparse_attn_min_tokens=256, draft_granularity=gran, draft_weights=dw),
+            gamma_policy="fixed")
         r = run_llm(c, env={"VEGAS_VLLM_STATS_DIR": stats})
         assert "error" not in r, r.get("traceback")
         with open(os.path.join(stats, "stats-rank0.json")) as f:
@@ -88,6 +90,20 @@ def test_vegas_verifies_in_one_pass(greedy_runs):
     # per-token scores from the same one pass (few verifications here: prefill-mixed batches weigh more)
     s = greedy_runs["vegas-token"]["stats"]
     assert s["one_pass_layer_calls"] > 0, s
+
+
+def test_drafts_read_int8_copies_of_every_linear(greedy_runs):
+    """draft_weights="int8": every linear of the model (30 layers x 4, and the output embedding,
+    dispatched as the input embedding and again as the tied LM head, one copy) got an int8 copy,
+    the draft forwards read them (4 per layer + 1 per forward), and the output above stays vLLM's;
+    with draft_weights=None no copy is made or read."""
+    s = greedy_runs["vegas"]["stats"]
+    assert s["draft_weight_linears"] == 30 * 4 + 2, s
+    assert s["draft_weight_calls"] >= s["draft_forwards"] * (30 * 4 + 1), s
+    # int8 + one float32 scale per 64 weights: ~1.06 bytes per weight of SmolLM2-135M's 134.5 M
+    assert 130e6 < s["draft_weight_bytes"] < 150e6, s
+    s = greedy_runs["streamingllm"]["stats"]
+    assert s["draft_forwards"] > 0 and s["draft_weight_linears"] == 0 and s["draft_weight_calls"] == 0, s
 
 
 @pytest.mark.parametrize("algo", ["vegas", "streamingllm", "vegas-token"])

@@ -103,6 +103,7 @@ def speculative_config(
     num_sink_pages: int = 1,
     gamma_policy: str = "auto",
     draft_granularity: str = "page",
+    draft_weights: Optional[str] = "int8",
 ) -> Dict[str, Any]:
     """The ``speculative_config`` for ``LLM(...)`` / ``vllm serve --speculative-config`` (JSON).
 
@@ -117,6 +118,8 @@ def speculative_config(
             engine's measured step costs; docs/vllm_gamma.md) or ``"fixed"`` (every request γ).
         draft_granularity: ``"page"`` (drafts attend to whole selected pages) or ``"token"``
             (selected tokens per KV head; docs/vllm.md).
+        draft_weights: ``"int8"``, ``"fp16"`` or ``None``: the weights the draft forwards' linears
+            read on CPU (verification keeps the model's own; :mod:`vegas_ext.vllm.draft_linears`).
 
     Returns:
         ``{"model": PROPOSER_PATH, "num_speculative_tokens": γ, "sparse_attn_algorithm": ..., ...}``;
@@ -131,9 +134,9 @@ def speculative_config(
     check_installed()
     num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
     opts = VegasOptions(sparse_attn_algorithm, sparse_attn_ratio, sparse_attn_min_tokens, sparse_attn_max_tokens,
-                        num_sink_pages, gamma_policy, draft_granularity)
+                        num_sink_pages, gamma_policy, draft_granularity, draft_weights)
     out: Dict[str, Any] = {"model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}
-    out.update({k: v for k, v in opts.to_dict().items() if v is not None})
+    out.update({k: v for k, v in opts.to_dict().items() if v is not None or k == "draft_weights"})
     return out
 
 
@@ -193,7 +196,11 @@ def main(argv=None) -> None:
     p.add_argument("--num-sink-pages", type=int, default=1)
     p.add_argument("--gamma-policy", choices=("auto", "fixed"), default="auto")
     p.add_argument("--draft-granularity", choices=("page", "token"), default="page")
+    p.add_argument("--draft-weights", choices=("none", "fp16", "int8"), default="int8",
+                   help="weights of the draft forwards' linears on CPU ('none': the model's own)")
     a = p.parse_args(argv)
+    if a.draft_weights == "none":
+        a.draft_weights = None
     try:
         print(json.dumps(speculative_config(**vars(a))))
     except (ValueError, UnsupportedVllmError) as e:

@@ -258,6 +258,18 @@ def _fix_cpu_expand_kernel(undo: _Undo) -> None:
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
 
 
+def _wrap_cpu_gemm_dispatch(undo: _Undo) -> None:
+    """Low-precision draft copies of the CPU linears (:mod:`vegas_ext.vllm.draft_linears`); a vLLM
+    without this dispatch point drafts with the model's own weights (the proposer warns)."""
+    from vllm.model_executor.layers import utils as layer_utils
+
+    from .draft_linears import wrap_dispatch
+
+    if callable(getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)):
+        undo.set(layer_utils, "dispatch_cpu_unquantized_gemm",
+                 wrap_dispatch(layer_utils.dispatch_cpu_unquantized_gemm))
+
+
 def install() -> Optional[str]:
     """Install all hooks in this process (engine front end, engine core and every worker), once.
 
@@ -309,6 +321,7 @@ def _install_hooks(current_platform, undo: _Undo) -> None:
     # the backend override comes last: it is the one step the undo log cannot take back
     if current_platform.is_cpu():
         _fix_cpu_expand_kernel(undo)
+        _wrap_cpu_gemm_dispatch(undo)
         register_backend(AttentionBackendEnum.CPU_ATTN, "vegas_ext.vllm.backend.VegasCPUAttentionBackend")
     elif current_platform.is_cuda() and cuda_allowed():
         register_backend(AttentionBackendEnum.FLASH_ATTN, "vegas_ext.vllm.backend_flash.VegasFlashAttentionBackend")

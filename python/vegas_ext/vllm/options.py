@@ -12,7 +12,7 @@ PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
 OPTION_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens",
-               "num_sink_pages", "gamma_policy", "draft_granularity")
+               "num_sink_pages", "gamma_policy", "draft_granularity", "draft_weights")
 ALGORITHMS = config.VLLM_ALGORITHMS
 #: ``gamma_policy`` values: every request drafts ``num_speculative_tokens`` / each its own number.
 GAMMA_POLICIES = ("fixed", "auto")
@@ -52,6 +52,10 @@ class VegasOptions:
             ``"token"`` (drafts attend to selected tokens, one selection per layer and KV head,
             through :func:`vegas_ext.ops.paged_sparse_draft_attention` over the real block table;
             the verification keeps per-token scores).
+        draft_weights: the precision of the weights the draft forwards' linears read on CPU:
+            ``"int8"`` (one float32 scale per 64 weights), ``"fp16"`` or ``None`` (the model's own;
+            :mod:`vegas_ext.vllm.draft_linears`). Verification forwards always read the model's own
+            weights, so the output is unchanged; ``"int4"`` is refused (too few drafts accepted).
 
     The budget in pages is ``ceil(clamp(ceil(ratio * context), min_tokens, max_tokens) / page_size)``,
     sinks included; the tail (the last verification window and this round's drafts) comes on top.
@@ -67,9 +71,11 @@ class VegasOptions:
     num_sink_pages: int = 1
     gamma_policy: str = "auto"
     draft_granularity: str = "page"
+    draft_weights: Any = "int8"
 
     def __post_init__(self):
-        values = {k: getattr(self, k) for k in OPTION_KEYS if k not in ("gamma_policy", "draft_granularity")}
+        values = {k: getattr(self, k) for k in OPTION_KEYS
+                  if k not in ("gamma_policy", "draft_granularity", "draft_weights")}
         values["num_sink_blocks"] = values.pop("num_sink_pages")
         out = config.check_selection({"sparse_attn_algorithm": values.pop("sparse_attn_algorithm")}, _LABELS,
                                      algorithms=ALGORITHMS)
@@ -83,6 +89,7 @@ class VegasOptions:
         if not isinstance(dg, str) or dg not in DRAFT_GRANULARITIES:
             raise ValueError(f"{_PREFIX}draft_granularity must be one of {DRAFT_GRANULARITIES}, got {dg!r}")
         out["draft_granularity"] = str(dg)
+        out["draft_weights"] = config.check_draft_weights(self.draft_weights, _PREFIX + "draft_weights")
         for k, v in out.items():  # normalized (a numpy integer becomes an int); frozen, hence setattr
             object.__setattr__(self, k, v)
 

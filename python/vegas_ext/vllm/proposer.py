@@ -60,6 +60,7 @@ import torch
 from .. import ops
 from ..selection import streaming_indices
 from ..speculation import IterationCosts, PerRequestGamma
+from . import draft_linears
 from .backend import PLAIN_KEY_ISAS, VegasState, attach_state
 from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
 
@@ -148,6 +149,13 @@ class VegasProposer:
         """Called by the runner with the target model: the drafter is the model itself."""
         self.model = target_model
         self._attached = attach_state(target_model, self.state) > 0
+        made = draft_linears.copies()
+        if self.options.draft_weights is not None and made["linears"] == 0:
+            from vllm.logger import init_logger
+
+            init_logger(__name__).warning(
+                "vegas_ext.vllm: draft_weights=%r was asked for but no linear got a copy (only unquantized "
+                "linears on the CPU platform do): drafts read the model's own weights", self.options.draft_weights)
 
     def propose(self, *args, **kwargs):  # pragma: no cover - reached only without the runner hook
         raise RuntimeError(
@@ -473,23 +481,24 @@ class VegasProposer:
         drafts = torch.zeros(R, gamma, dtype=torch.long)
         self.state.drafting = True
         try:
-            for j in range(gamma):
-                act = (req.ndraft > j).nonzero().flatten()
-                n = int(act.numel())
-                if n == 0:
-                    break
-                pos = req.P[act] + j
-                slots = req.bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
-                md = metadata(act, n, pos, slots)
-                with set_forward_context(md, self.vllm_config, num_tokens=n,
-                                         slot_mapping={name: slots for name in layer_names}):
-                    hidden = runner.model(input_ids=tokens[act], positions=pos, intermediate_tensors=None,
-                                          inputs_embeds=None)
-                nxt = runner.model.compute_logits(hidden).argmax(dim=-1)
-                self.stats["draft_forwards"] += 1
-                drafts[act.cpu(), j] = nxt.cpu().long()
-                tokens = tokens.clone()
-                tokens[act] = nxt.to(torch.int32)
+            with draft_linears.drafting():  # the linears read their low-precision copies, if any
+                for j in range(gamma):
+                    act = (req.ndraft > j).nonzero().flatten()
+                    n = int(act.numel())
+                    if n == 0:
+                        break
+                    pos = req.P[act] + j
+                    slots = req.bt[act].gather(1, (pos // bs).view(n, 1)).view(n) * bs + pos % bs
+                    md = metadata(act, n, pos, slots)
+                    with set_forward_context(md, self.vllm_config, num_tokens=n,
+                                             slot_mapping={name: slots for name in layer_names}):
+                        hidden = runner.model(input_ids=tokens[act], positions=pos, intermediate_tensors=None,
+                                              inputs_embeds=None)
+                    nxt = runner.model.compute_logits(hidden).argmax(dim=-1)
+                    self.stats["draft_forwards"] += 1
+                    drafts[act.cpu(), j] = nxt.cpu().long()
+                    tokens = tokens.clone()
+                    tokens[act] = nxt.to(torch.int32)
         finally:
             self.state.drafting = False
         return drafts
@@ -502,6 +511,9 @@ class VegasProposer:
         except Exception:  # pragma: no cover
             rank = 0
         os.makedirs(self._stats_dir, exist_ok=True)
+        made = draft_linears.copies()
+        self.stats.update(draft_weight_linears=made["linears"], draft_weight_bytes=made["bytes"],
+                          draft_weight_calls=made["calls"])
         self.stats["one_pass_layer_calls"] = self.state.one_pass_calls
         self.stats["two_pass_layer_calls"] = self.state.two_pass_calls
         if self.gamma_policy is not None:
