@@ -39,6 +39,11 @@ def dispatch(monkeypatch):
     return draft_linears.wrap_dispatch(original), lambda cfg: current.__setitem__("cfg", cfg)
 
 
+def test_wrapping_is_idempotent(dispatch):
+    fn, _ = dispatch
+    assert draft_linears.wrap_dispatch(fn) is fn
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp16"])
 def test_copy_is_read_only_while_drafting(dispatch, kind):
     fn, set_cfg = dispatch

@@ -101,10 +101,13 @@ def wrap_dispatch(original):
     if getattr(original, "_vegas_draft_weights", False):
         return original
 
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # a vLLM without it: the drafts read the model's weights (the proposer warns)
+        return original
+
     @functools.wraps(original)
     def dispatch_cpu_unquantized_gemm(layer, remove_weight, *args, **kwargs):
-        from vllm.config import get_current_vllm_config_or_none
-
         kind = requested_kind(get_current_vllm_config_or_none())
         w = getattr(layer, "weight", None)
         copy = None
