@@ -79,6 +79,15 @@ def test_tied_parameter_is_copied_once(dispatch):
     after = draft_linears.copies()
     assert after["linears"] == before["linears"] + 2
     assert after["bytes"] - before["bytes"] == 96 * 64 + 96 * 4  # int8 + one float32 scale per 64
+    with torch.no_grad():
+        shared.mul_(2)  # reloaded in place: a new copy, with the new values
+    fn(head, False)
+    assert draft_linears.copies()["bytes"] - after["bytes"] == 96 * 64 + 96 * 4
+    x = torch.randn(2, 64)
+    with draft_linears.drafting():
+        got = head.cpu_linear(x, head.weight, None)
+    q, s = quantize_int8(shared)
+    torch.testing.assert_close(got, reference.weight_only_linear(x, q, s), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("cfg", [None, _config(None), _config("int8", proposer="some.other.Proposer")])

@@ -70,14 +70,15 @@ def requested_kind(vllm_config) -> Optional[str]:
 def _make_copy(weight: torch.Tensor, kind: str):
     """``(weight copy, scales or None)``, made once per parameter: a tied output embedding shares
     its parameter (and so its copy) with the input embedding, which vLLM dispatches too."""
+    key = (kind, weight.data_ptr(), weight._version)  # weights reloaded in place get a new copy
     made = getattr(weight, "_vegas_draft_copy", None)
-    if made is not None and made[0] == kind:
+    if made is not None and made[0] == key:
         return made[1:]
     if kind == "int8":
         copy = quantize_int8(weight, INT8_GROUP_SIZE)
     else:
         copy = (weight.detach().to(torch.float16).contiguous(), None)
-    weight._vegas_draft_copy = (kind, *copy)
+    weight._vegas_draft_copy = (key, *copy)
     _STATS["bytes"] += copy[0].numel() * copy[0].element_size() + (0 if copy[1] is None else copy[1].numel() * 4)
     return copy
 
