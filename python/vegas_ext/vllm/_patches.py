@@ -261,10 +261,12 @@ def _fix_cpu_expand_kernel(undo: _Undo) -> None:
 def _wrap_cpu_gemm_dispatch(undo: _Undo) -> None:
     """Low-precision draft copies of the CPU linears (:mod:`vegas_ext.vllm.draft_linears`); a vLLM
     without this dispatch point drafts with the model's own weights (the proposer warns)."""
-    from vllm.model_executor.layers import utils as layer_utils
-
     from .draft_linears import wrap_dispatch
 
+    try:
+        from vllm.model_executor.layers import utils as layer_utils
+    except ImportError:
+        return
     if callable(getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)):
         undo.set(layer_utils, "dispatch_cpu_unquantized_gemm",
                  wrap_dispatch(layer_utils.dispatch_cpu_unquantized_gemm))
