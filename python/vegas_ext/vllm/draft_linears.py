@@ -29,6 +29,7 @@ import torch
 
 from .. import ops
 from ..draft_weights import INT8_GROUP_SIZE, quantize_int8
+from ..packed_linear import tensor_key
 
 __all__ = ["copies", "drafting", "requested_kind", "wrap_dispatch"]
 
@@ -70,7 +71,7 @@ def requested_kind(vllm_config) -> Optional[str]:
 def _make_copy(weight: torch.Tensor, kind: str):
     """``(weight copy, scales or None)``, made once per parameter: a tied output embedding shares
     its parameter (and so its copy) with the input embedding, which vLLM dispatches too."""
-    key = (kind, weight.data_ptr(), weight._version)  # weights reloaded in place get a new copy
+    key = (kind, tensor_key(weight))  # weights reloaded in place get a new copy
     made = getattr(weight, "_vegas_draft_copy", None)
     if made is not None and made[0] == key:
         return made[1:]
