@@ -45,7 +45,7 @@ from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "DraftWeights", "check_draft_weights", "draft_weights_for",
-           "quantize_int8"]
+           "quantize_int8", "weight_copy"]
 
 #: Weights per int8 scale along the input dimension (a multiple of 16, the kernel's vector).
 INT8_GROUP_SIZE = 64
@@ -83,6 +83,16 @@ def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Te
     return q.contiguous(), scales.contiguous()
 
 
+def weight_copy(weight: Tensor, kind: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """The CPU draft copy of a linear's ``[N, K]`` weight for :func:`vegas_ext.ops.weight_only_linear`:
+    ``(int8 weight, float32 scales)`` for ``"int8"`` (:func:`quantize_int8`, groups of
+    :data:`INT8_GROUP_SIZE`), ``(float16 weight, None)`` for ``"fp16"``."""
+    w = weight.detach()
+    if kind == "fp16":
+        return w.to(torch.float16).contiguous(), None
+    return quantize_int8(w, INT8_GROUP_SIZE)
+
+
 def _version_key(t: Optional[Tensor]) -> tuple:
     # not data_ptr(): it materializes a copy-on-write storage, which made every packed linear repack
     return () if t is None else tensor_key(t)
@@ -103,11 +113,8 @@ class _Copy:
         if w.device.type == "cuda":  # CUDA: a float16 copy through F.linear, whatever the kind
             self.weight = w.to(torch.float16).contiguous()
             self.bias = None if b is None else b.to(torch.float16)
-        elif kind == "fp16":
-            self.weight = w.to(torch.float16).contiguous()
-            self.bias = None if b is None else b.float().contiguous()
         else:
-            self.weight, self.scales = quantize_int8(w, INT8_GROUP_SIZE)
+            self.weight, self.scales = weight_copy(w, kind)
             self.bias = None if b is None else b.float().contiguous()
         own_bias = self.bias is not None and (b is None or self.bias.data_ptr() != b.data_ptr())
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.weight, self.scales) if t is not None)

@@ -28,7 +28,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import ops
-from ..draft_weights import INT8_GROUP_SIZE, quantize_int8
+from ..draft_weights import INT8_GROUP_SIZE, weight_copy
 from ..packed_linear import tensor_key
 
 __all__ = ["copies", "drafting", "requested_kind", "wrap_dispatch"]
@@ -75,10 +75,7 @@ def _make_copy(weight: torch.Tensor, kind: str):
     made = getattr(weight, "_vegas_draft_copy", None)
     if made is not None and made[0] == key:
         return made[1:]
-    if kind == "int8":
-        copy = quantize_int8(weight, INT8_GROUP_SIZE)
-    else:
-        copy = (weight.detach().to(torch.float16).contiguous(), None)
+    copy = weight_copy(weight, kind)
     weight._vegas_draft_copy = (key, *copy)
     _STATS["bytes"] += copy[0].numel() * copy[0].element_size() + (0 if copy[1] is None else copy[1].numel() * 4)
     return copy
