@@ -18,8 +18,13 @@ Per (context, batch) cell: B prompts of ``context`` tokens of real text (differe
 *Pride and Prejudice*), first generated with ``max_tokens=1`` so that the prompts sit in vLLM's
 prefix cache, then again with ``max_tokens=new_tokens`` (greedy, EOS ignored), timed: output
 tokens / s of that second call is (almost) pure decoding. Mean acceptance length = 1 + accepted /
-drafts from ``LLM.get_metrics()`` over that call. Output: ``runs.jsonl`` (one line per cell and
-method), ``summary.md`` (the table), ``config.json``.
+drafts from ``LLM.get_metrics()`` over that call. ``decode_tokens_per_s`` leaves out the prefill
+step (output tokens after each request's first, over the span from the batch's first first token to
+its last token, vLLM's request timestamps). For the drafting methods the proposer's counters
+(``VEGAS_VLLM_STATS_DIR``, read before and after the call) give ``drafter``: tokens read per draft
+token and layer, their share of a dense draft's, and with ``vegas_auto`` the γ decisions and the
+cost model's step times. Output: ``runs.jsonl`` (one line per cell and method), ``summary.md``
+(the tables), ``config.json``.
 """
 from __future__ import annotations
 
@@ -71,6 +76,48 @@ def _counters(llm):
     return out
 
 
+def _proposer_stats(stats_dir):
+    """Rank 0's proposer counters (``VEGAS_VLLM_STATS_DIR``), or ``{}``."""
+    path = os.path.join(stats_dir or "", "stats-rank0.json")
+    if not stats_dir or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _draft_reads(before, after, num_layers, page_size):
+    """What the cell's drafts read, from the proposer counters before and after it: tokens read per
+    draft token and layer (``tokens_read_per_draft``), the share of a dense draft's reads
+    (``read_share``), the γ decisions (``gamma_histogram``) and steps the batch check made plain."""
+    d = {k: after[k] - before.get(k, 0) for k, v in after.items() if isinstance(v, int) and not isinstance(v, bool)}
+    out = {"draft_tokens": d.get("draft_tokens", 0)}
+    if "tokens_read" in d:  # token granularity
+        read, dense = d["tokens_read"], d["tokens_dense"]
+    else:
+        read, dense = d.get("pages_read", 0) * page_size, d.get("pages_dense", 0) * page_size
+    if out["draft_tokens"]:
+        out["tokens_read_per_draft"] = read / (out["draft_tokens"] * num_layers)
+        out["read_share"] = read / dense if dense else None
+    if "gamma_histogram" in after:
+        h0 = before.get("gamma_histogram") or [0] * len(after["gamma_histogram"])
+        out["gamma_histogram"] = [a - b for a, b in zip(after["gamma_histogram"], h0)]
+        out["vetoed_steps"] = after.get("vetoed_steps", 0) - before.get("vetoed_steps", 0)
+        out.update((k, v) for k, v in after.items() if k.startswith("cost_t_"))  # the cost model at the end
+    return out
+
+
+def _decode_rate(outs):
+    """Output tokens after each request's first, per second from the batch's first first token to
+    its last token (vLLM's engine-core timestamps; ``None`` without request stats): the decoding
+    rate without the prefill step."""
+    stats = [o.metrics for o in outs]
+    if not stats or any(s is None or not getattr(s, "last_token_ts", 0) for s in stats):
+        return None
+    span = max(s.last_token_ts for s in stats) - min(s.first_token_ts for s in stats)
+    n = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return n / span if span > 0 else None
+
+
 def worker(args):
     """One engine, all cells; prints one JSON line per cell to args.worker_out."""
     from transformers import AutoTokenizer
@@ -91,26 +138,30 @@ def worker(args):
               max_model_len=max(args.contexts) + args.new_tokens + args.gamma + 1, enable_prefix_caching=True,
               disable_log_stats=False, speculative_config=spec, max_num_seqs=max(args.batches))
     init_s = time.perf_counter() - t0
+    stats_dir = os.environ.get("VEGAS_VLLM_STATS_DIR")
+    num_layers = llm.llm_engine.model_config.get_num_layers(llm.llm_engine.vllm_config.parallel_config)
     with open(args.worker_out, "a") as f:
         for ctx in args.contexts:
             for B in args.batches:
                 prompts = [{"prompt_token_ids": ids[(i * 7919) % (len(ids) - ctx):][:ctx]} for i in range(B)]
                 llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-                c0 = _counters(llm)
+                c0, s0 = _counters(llm), _proposer_stats(stats_dir)
                 sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
                 t = time.perf_counter()
                 outs = llm.generate(prompts, sp, use_tqdm=False)
                 dt = time.perf_counter() - t
-                c1 = _counters(llm)
+                c1, s1 = _counters(llm), _proposer_stats(stats_dir)
                 n_out = sum(len(o.outputs[0].token_ids) for o in outs)
                 d = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1}
                 drafts = d.get("vllm:spec_decode_num_drafts", 0)
                 row = {"method": args.method, "context": ctx, "batch": B, "new_tokens": args.new_tokens,
                        "seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt,
+                       "decode_tokens_per_s": _decode_rate(outs),
                        "num_drafts": drafts, "num_accepted": d.get("vllm:spec_decode_num_accepted_tokens", 0),
                        "mean_acceptance_length": (1 + d["vllm:spec_decode_num_accepted_tokens"] / drafts)
                        if drafts else None,
-                       "init_s": init_s, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+                       "init_s": init_s, "drafter": _draft_reads(s0, s1, num_layers, args.block_size) if s1 else None,
+                       "tokens": [list(o.outputs[0].token_ids) for o in outs]}
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 print(f"{args.method:>12} ctx {ctx:>5} B {B:>2}: {row['tokens_per_s']:7.2f} tok/s"
@@ -226,7 +277,28 @@ def summarize(rows, cfg):
             f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens; ngram lookup 2-4. "
             f"Commit {cfg['commit']}. Output tokens/s (ratio to no speculation), MAL = mean acceptance length "
             "(1 + accepted / drafts).\n\n")
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n\n" + _drafter_table(rows, base)
+
+
+def _drafter_table(rows, base):
+    """Per drafting method and cell: the decoding rate without the prefill step, what a draft token
+    read and, for ``vegas_auto``, the γ decisions."""
+    lines = ["Without the prefill step (first to last token): decode tok/s (ratio to none). Tokens read per "
+             "draft token and layer (share of a dense draft's). γ decisions: requests x steps per γ = 0, 1, ...; "
+             "plain: steps the batch check made plain.", "",
+             "| context | batch | method | decode tok/s | tokens read per draft token | γ decisions | plain |",
+             "|---:|---:|---|---:|---:|---|---:|"]
+    for r in rows:
+        if r["method"] == "none":
+            continue
+        b, dr, d = base.get((r["context"], r["batch"])), r.get("drafter") or {}, r.get("decode_tokens_per_s")
+        rate = "–" if d is None else f"{d:.1f}" + (f" ({d / b['decode_tokens_per_s']:.2f}x)"
+                                                     if b and b.get("decode_tokens_per_s") else "")
+        read = (f"{dr['tokens_read_per_draft']:.0f} ({dr['read_share']:.0%})" if dr.get("tokens_read_per_draft")
+                and dr.get("read_share") is not None else "–")
+        lines.append(f"| {r['context']} | {r['batch']} | {r['method']} | {rate} | {read} | "
+                     f"{dr.get('gamma_histogram', '–')} | {dr.get('vetoed_steps', '–')} |")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -281,6 +353,8 @@ def run_method(args: argparse.Namespace, m: str, runs: str) -> None:
         env["VLLM_PLUGINS"] = ""
     if m == "vegas_2pass":
         env["VEGAS_VLLM_ONE_PASS"] = "0"
+    if m not in ("none", "ngram"):  # the proposer's counters, read per cell
+        env["VEGAS_VLLM_STATS_DIR"] = os.path.join(args.out, "proposer_stats", m)
     cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
            "--contexts", *map(str, args.contexts),
            "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),

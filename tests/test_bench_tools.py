@@ -325,3 +325,30 @@ def test_microkernel_rates_builds_and_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     for row in ("fma (registers only)", "fma+bcast", "qk_pair_rows<3>", "pv_rows"):
         assert row in r.stdout
+
+
+def test_vllm_e2e_reads_the_proposer_counters_and_tables_them():
+    from bench import vllm_e2e
+
+    before = {"draft_tokens": 10, "pages_read": 100, "pages_dense": 1000, "gamma_histogram": [3, 1, 0],
+              "vetoed_steps": 1, "cost_t_plain_ms": 90.0}
+    after = {"draft_tokens": 30, "pages_read": 400, "pages_dense": 3000, "gamma_histogram": [5, 4, 7],
+             "vetoed_steps": 2, "cost_t_plain_ms": 100.0, "max_over_budget": 0}
+    d = vllm_e2e._draft_reads(before, after, num_layers=5, page_size=32)
+    # 300 pages of 32 tokens over 20 draft tokens x 5 layers; 300 of 2000 dense pages
+    assert d["draft_tokens"] == 20 and d["tokens_read_per_draft"] == pytest.approx(300 * 32 / 100)
+    assert d["read_share"] == pytest.approx(0.15)
+    assert d["gamma_histogram"] == [2, 3, 7] and d["vetoed_steps"] == 1 and d["cost_t_plain_ms"] == 100.0
+    tok = vllm_e2e._draft_reads({}, {"draft_tokens": 4, "tokens_read": 80, "tokens_dense": 800}, 2, 32)
+    assert tok["tokens_read_per_draft"] == 10 and tok["read_share"] == pytest.approx(0.1)
+    assert vllm_e2e._proposer_stats(None) == {}
+
+    row = {"context": 2048, "batch": 4, "new_tokens": 8, "mean_acceptance_length": None, "tokens": [[1]]}
+    rows = [dict(row, method="none", tokens_per_s=10.0, decode_tokens_per_s=12.0),
+            dict(row, method="vegas_auto", tokens_per_s=15.0, decode_tokens_per_s=18.0, drafter=d,
+                 mean_acceptance_length=3.5)]
+    cfg = dict(vllm="0.32", device="CPU", threads="2 cores", dtype="float32", block_size=32, new_tokens=8,
+               gamma=6, ratio=0.05, min_tokens=256, commit="abc")
+    text = vllm_e2e.summarize(rows, cfg)
+    assert "| 2048 | 4 | 10.0 | 15.0 (1.50x) | 3.50 | vegas_auto: yes |" in text
+    assert "| 2048 | 4 | vegas_auto | 18.0 (1.50x) | 96 (15%) | [2, 3, 7] | 1 |" in text

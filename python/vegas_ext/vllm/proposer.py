@@ -519,6 +519,7 @@ class VegasProposer:
         if self.gamma_policy is not None:
             self.stats["gamma_histogram"] = list(self.gamma_policy.choices)
             self.stats["vetoed_steps"] = self.gamma_policy.vetoed
+            self.stats.update((k, v) for k, v in self.gamma_policy.costs.stats().items())
         path = os.path.join(self._stats_dir, f"stats-rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(self.stats, f)
