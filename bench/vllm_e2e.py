@@ -63,8 +63,9 @@ def spec_for(method, gamma, ratio, min_tokens):
     spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=algo,
                               sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens,
                               draft_granularity="token" if token else "page",
-                              draft_weights=None if method == "vegas_own_weights" else "int8")
-    return dict(spec, gamma_policy="auto" if auto else "fixed")
+                              draft_weights=None if method == "vegas_own_weights" else "int8",
+                              gamma_policy="auto" if auto else "fixed")
+    return spec
 
 
 def _counters(llm):

@@ -97,3 +97,26 @@ def test_batch_check_turns_one_requests_dear_drafts_into_a_plain_step():
     for rid in "wxyz":
         _run(q, rid, True, steps=20)
     assert q.choose_batch([(r, 6) for r in "wxyz"]) == [6, 6, 6, 6] and q.vetoed == 0
+
+
+def test_new_requests_start_from_the_engines_acceptance():
+    """A request arriving after peers whose drafts were all accepted drafts long at once; one
+    arriving after peers whose drafts were all rejected starts plain; its own drafts then rule."""
+    hi = PerRequestGamma(6, exploration=0.0)
+    _costs(hi)
+    _run(hi, "peer", True, steps=30)
+    assert hi.engine_acc.pooled() > 0.95 and hi.stats()["engine_acceptance"] > 0.95
+    assert hi.choose("new", 6) == 6
+    assert hi.requests["new"].acc.prior_acceptance > 0.95
+    assert _run(hi, "new", False, steps=30) == 0  # its own rejections win over the prior
+
+    lo = PerRequestGamma(6, exploration=0.0, probe_interval=1000, max_probe_interval=1000,
+                         hopeless_probe_interval=1000)
+    _costs(lo, t_draft=0.03)
+    for i in range(8):  # each peer goes plain after its first rejected drafts
+        _run(lo, f"peer{i}", False, steps=5)
+    assert lo.engine_acc.pooled() < 0.5
+    fresh = PerRequestGamma(6, exploration=0.0)
+    _costs(fresh, t_draft=0.03)
+    assert fresh.choose("new", 6) >= 2  # no peers yet: the configured prior (0.8)
+    assert lo.choose("new", 6) == 0

@@ -107,10 +107,14 @@ class AcceptanceEstimate:
         self.tries = [0.0] * max_gamma
         self.successes = [0.0] * max_gamma
 
+    def pooled(self) -> float:
+        """The rate pooled over all positions (behind the prior)."""
+        w = self.prior_weight
+        return (sum(self.successes) + w * self.prior_acceptance) / (sum(self.tries) + w)
+
     def rates(self) -> List[float]:
         """``[max_gamma]`` estimates ``a_i``."""
-        w = self.prior_weight
-        pooled = (sum(self.successes) + w * self.prior_acceptance) / (sum(self.tries) + w)
+        w, pooled = self.prior_weight, self.pooled()
         return [(s + w * pooled) / (n + w) for s, n in zip(self.successes, self.tries)]
 
     def upper(self, exploration: float) -> List[float]:
@@ -423,8 +427,11 @@ class PerRequestGamma:
     and history -- all sharing one :class:`StepCostModel` that the engine feeds with its step
     timings (:meth:`observe_step`). A request's choice is AutoGamma's decision for a batch of that
     request alone under the shared costs: a request whose drafts are rejected goes plain (``g =
-    0``) while one whose drafts are accepted keeps drafting. Runner-independent (the vLLM plugin
-    drives it from ``vegas_ext.vllm.proposer``).
+    0``) while one whose drafts are accepted keeps drafting. A new request's prior acceptance is
+    the rate the engine's requests showed lately (all of them pooled, ``acceptance_decay`` per
+    verified request), so it starts where its peers are instead of climbing from
+    ``prior_acceptance``. Runner-independent (the vLLM plugin drives it from
+    ``vegas_ext.vllm.proposer``).
 
     Args:
         max_gamma: the most drafts any request gets (``>= 1``).
@@ -438,6 +445,8 @@ class PerRequestGamma:
         self.max_gamma = max_gamma
         self._kw = dict(auto_kwargs)
         self.costs = StepCostModel(self._kw.get("window", 5), self._kw.get("cost_ema", 0.5))
+        # every request's verified drafts pooled: the prior of the requests to come
+        self.engine_acc = AutoGamma(max_gamma, **self._kw).acc
         self.requests: Dict[str, AutoGamma] = {}
         self.choices = [0] * (max_gamma + 1)  # decisions per g, all requests
         self.vetoed = 0  # steps whose drafts the batch check turned into a plain step
@@ -448,6 +457,7 @@ class PerRequestGamma:
         if p is None:
             p = self.requests[req_id] = AutoGamma(self.max_gamma, **self._kw)
             p.costs = self.costs
+            p.acc.prior_acceptance = self.engine_acc.pooled()
             if self.costs.t_plain is not None:  # costs known: skip the warm-up that measures them
                 p.history.extend([0, 0])
         return p
@@ -488,7 +498,9 @@ class PerRequestGamma:
     def observe_request(self, req_id: str, drafted: int, accepted: int) -> None:
         """The request's last drafts were verified: ``accepted`` of its ``drafted`` (``>= 1``)."""
         if drafted > 0 and req_id in self.requests:
-            self.requests[req_id].acc.observe([int(drafted)], [min(int(accepted), int(drafted))])
+            obs = [int(drafted)], [min(int(accepted), int(drafted))]
+            self.requests[req_id].acc.observe(*obs)
+            self.engine_acc.observe(*obs)
 
     def observe_step(self, costs: IterationCosts) -> None:
         """One engine step's timings (``costs.gamma``: the most drafts any request verified)."""
@@ -499,9 +511,10 @@ class PerRequestGamma:
         self.requests.pop(req_id, None)
 
     def stats(self) -> dict:
-        """``gamma_histogram`` (decisions per ``g`` over all requests), the cost model's ``cost_t_*_ms``
-        and ``tracked_requests``."""
+        """``gamma_histogram`` (decisions per ``g`` over all requests), the cost model's ``cost_t_*_ms``,
+        ``engine_acceptance`` (the new requests' prior) and ``tracked_requests``."""
         return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.costs.stats(),
+                "engine_acceptance": round(self.engine_acc.pooled(), 4),
                 "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
 
 
