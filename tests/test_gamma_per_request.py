@@ -7,12 +7,14 @@ import pytest
 from vegas_ext.speculation import IterationCosts, PerRequestGamma
 
 
-def _costs(p, t_plain=0.1, t_draft=0.01, c0=0.1, c1=0.002, steps=3):
-    """Plain steps, then speculative steps of 2 and 4 drafts, timed like a CPU engine's."""
-    for _ in range(steps):
-        p.observe_step(IterationCosts(0, 0.0, t_plain, 0.0, scored=False))
-    for g in (2, 4) * steps:
-        p.observe_step(IterationCosts(g, g * t_draft, c0 + c1 * (g + 1), 0.001, scored=True))
+def _costs(p, t_plain=0.1, t_draft=0.01, c0=0.1, c1=0.002, steps=3, batch_sizes=(1,)):
+    """Plain steps, then speculative steps of 2 and 4 drafts, timed like a CPU engine's, for the
+    cost model of each of ``batch_sizes``."""
+    for b in batch_sizes:
+        for _ in range(steps):
+            p.observe_step(IterationCosts(0, 0.0, t_plain, 0.0, scored=False), batch_size=b)
+        for g in (2, 4) * steps:
+            p.observe_step(IterationCosts(g, g * t_draft, c0 + c1 * (g + 1), 0.001, scored=True), batch_size=b)
 
 
 def _run(p, rid, accept_all, steps=12, cap=6):
@@ -84,7 +86,7 @@ def test_batch_check_turns_one_requests_dear_drafts_into_a_plain_step():
     ~3 plain steps), but the batch of 4 would get 10 tokens in ~3 plain steps instead of 4 in one."""
     p = PerRequestGamma(6, exploration=0.0, probe_interval=1000, max_probe_interval=1000,
                         hopeless_probe_interval=1000)
-    _costs(p, t_plain=0.1, t_draft=0.03, c0=0.1, c1=0.002)
+    _costs(p, t_plain=0.1, t_draft=0.03, c0=0.1, c1=0.002, batch_sizes=(1, 4))
     for rid, ok in (("hi", True), ("a", False), ("b", False), ("c", False)):
         _run(p, rid, ok, steps=20)
     reqs = [("hi", 6), ("a", 6), ("b", 6), ("c", 6)]
@@ -93,7 +95,7 @@ def test_batch_check_turns_one_requests_dear_drafts_into_a_plain_step():
     assert p.choose_batch(reqs) == [0, 0, 0, 0] and p.vetoed == 1
     # four requests that all accept: the batch pays
     q = PerRequestGamma(6, exploration=0.0)
-    _costs(q, t_plain=0.1, t_draft=0.03, c0=0.1, c1=0.002)
+    _costs(q, t_plain=0.1, t_draft=0.03, c0=0.1, c1=0.002, batch_sizes=(4,))
     for rid in "wxyz":
         _run(q, rid, True, steps=20)
     assert q.choose_batch([(r, 6) for r in "wxyz"]) == [6, 6, 6, 6] and q.vetoed == 0
@@ -120,3 +122,31 @@ def test_new_requests_start_from_the_engines_acceptance():
     _costs(fresh, t_draft=0.03)
     assert fresh.choose("new", 6) >= 2  # no peers yet: the configured prior (0.8)
     assert lo.choose("new", 6) == 0
+
+
+def test_each_batch_size_has_its_own_costs_and_a_new_plain_step_rescales_them():
+    """Drafts that pay at batch 1 (a draft step 0.1 plain step) and do not at batch 16 (verification
+    3 plain steps, a draft step 0.8): each batch size is priced by its own timings, whichever ran
+    last. A plain step that finds the engine twice as slow halves every ratio at once."""
+    p = PerRequestGamma(6, exploration=0.0, probe_interval=1000, max_probe_interval=1000,
+                        hopeless_probe_interval=1000)
+    for _ in range(3):
+        p.observe_step(IterationCosts(0, 0.0, 0.1, 0.0, scored=False), batch_size=1)
+        p.observe_step(IterationCosts(0, 0.0, 0.2, 0.0, scored=False), batch_size=16)
+    for g in (2, 4) * 3:
+        p.observe_step(IterationCosts(g, g * 0.01, 0.1 + 0.002 * (g + 1), 0.001, scored=True), batch_size=1)
+        p.observe_step(IterationCosts(g, g * 0.16, 0.12 * (g + 1), 0.001, scored=True), batch_size=16)
+    assert p.stats()["cost_batch_sizes"] == [1, 16]
+    reqs = [(f"r{i}", 6) for i in range(16)]
+    for _ in range(10):  # every draft accepted, at the prior acceptance (0.8) of 16 new requests
+        for rid, g in zip([r for r, _ in reqs], p.choose_batch(reqs)):
+            p.observe_request(rid, g, g)
+    assert p.choose_batch(reqs) == [0] * 16 and p.costs is p.cost_models[16]
+    assert p.choose_batch(reqs[:1])[0] >= 4 and p.costs is p.cost_models[1]
+    assert p.choose_batch(reqs[:12]) == [0] * 12 and p.costs is p.cost_models[8]  # 8..15: not timed yet
+    # batch 16: 7 queries verify in 0.84 s = 4.2 plain steps at 0.2 s, 2.1 once a plain step takes 0.4 s
+    m = p.cost_models[16]
+    before = m.relative_cost(6)
+    for _ in range(8):
+        p.observe_step(IterationCosts(0, 0.0, 0.4, 0.0, scored=False), batch_size=16)
+    assert m.relative_cost(6) == pytest.approx(before / 2, rel=0.02)

@@ -134,18 +134,20 @@ class StepCostModel:
     """Step costs measured by the loop, in units of the current plain step ``t_plain``.
 
     ``t_plain``: moving average (weight ``cost_ema``) of unscored plain steps; draft and selection:
-    medians of the last ``window`` ratios; verification of ``q`` tokens: its own recent median where
+    medians of the last ``window`` timings; verification of ``q`` tokens: its own recent median where
     timed (the cost is a step function of ``q``), else ``c0 + c1 q`` fitted through the last
-    ``2 * window`` speculative passes (``docs/gamma_policy.md``).
+    ``2 * window`` speculative passes (``docs/gamma_policy.md``). Timings are kept in seconds and
+    divided by the current ``t_plain`` when used, so a plain step that finds the engine slower or
+    faster (a longer context, another batch) rescales every ratio at once.
     """
 
     def __init__(self, window: int = 5, cost_ema: float = 0.5):
         self.window, self.cost_ema = int(window), cost_ema
         self.t_plain: Optional[float] = None  # seconds of a plain step (moving average)
-        self._draft_ratios: List[float] = []  # draft step / t_plain, last `window`
-        self._select_ratios: List[float] = []
-        self._verify_obs: List[Tuple[int, float]] = []  # (q, verify(q) / t_plain), last 2 * window, q >= 2
-        self._scored_plain: List[Tuple[int, float]] = []  # (scored pass number, ratio) of scored plain steps
+        self._draft_secs: List[float] = []  # seconds of one draft step, last `window`
+        self._select_secs: List[float] = []
+        self._verify_obs: List[Tuple[int, float]] = []  # (q, seconds of verify(q)), last 2 * window, q >= 2
+        self._scored_plain: List[Tuple[int, float]] = []  # (scored pass number, seconds) of scored plain steps
         self._scored_passes = 0  # verification passes that scored the KV blocks (q >= 1)
         self._pending: List[IterationCosts] = []  # timed before the first plain step
 
@@ -158,7 +160,7 @@ class StepCostModel:
         if c.gamma == 0:
             if c.scored and self.t_plain is not None:  # scoring blocks costs more than a plain step
                 self._scored_passes += 1
-                self._scored_plain.append((self._scored_passes, c.verify / self.t_plain))
+                self._scored_plain.append((self._scored_passes, c.verify))
                 del self._scored_plain[: -self.window]
                 return
             ema = self.cost_ema
@@ -170,18 +172,17 @@ class StepCostModel:
             self._pending.append(c)
             return
         if c.gamma:
-            tp = self.t_plain
             self._scored_passes += 1
-            self._verify_obs.append((c.gamma + 1, c.verify / tp))
+            self._verify_obs.append((c.gamma + 1, c.verify))
             del self._verify_obs[: -2 * self.window]
-            self._push(self._draft_ratios, c.draft / c.gamma / tp)
+            self._push(self._draft_secs, c.draft / c.gamma)
             if c.select > 0:
-                self._push(self._select_ratios, c.select / tp)
+                self._push(self._select_secs, c.select)
 
     def _verify_by_q(self) -> Dict[int, List[float]]:
         by_q: Dict[int, List[float]] = {}
-        for q, r in self._verify_obs:
-            by_q.setdefault(q, []).append(r)
+        for q, t in self._verify_obs:
+            by_q.setdefault(q, []).append(t / self.t_plain)
         return by_q
 
     def verify_fit_ratio(self) -> Tuple[float, float]:
@@ -193,7 +194,7 @@ class StepCostModel:
             return 1.0, 0.0
         if len(pts) == 1:
             q, t, _ = pts[0]
-            recent = [r for n, r in self._scored_plain if n > self._scored_passes - 2 * self.window]
+            recent = [t / self.t_plain for n, t in self._scored_plain if n > self._scored_passes - 2 * self.window]
             t1 = _median(recent, 1.0)
             c1 = max(0.0, (t - t1) / (q - 1))
             return t - c1 * q, c1
@@ -229,17 +230,16 @@ class StepCostModel:
                 c = min(c, _median(by_q[q - 1]))
         # more query rows (and block scoring) than a plain step: never cheaper than one
         c = max(c, 1.0)
-        return c + g * _median(self._draft_ratios, 0.0) + _median(self._select_ratios, 0.0)
+        return c + (g * _median(self._draft_secs, 0.0) + _median(self._select_secs, 0.0)) / (self.t_plain or 1.0)
 
     def stats(self) -> dict:
         """``cost_t_*_ms`` entries: the plain step, draft step, selection and verify line in ms."""
         c0, c1 = self.verify_fit_ratio()
         tp = self.t_plain
-        ms = lambda r: None if tp is None or r is None else 1000 * r * tp  # noqa: E731
         return {
             "cost_t_plain_ms": None if tp is None else 1000 * tp,
-            "cost_t_draft_ms": ms(_median(self._draft_ratios, None)),
-            "cost_t_select_ms": ms(_median(self._select_ratios, None)),
+            "cost_t_draft_ms": None if not self._draft_secs else 1000 * _median(self._draft_secs),
+            "cost_t_select_ms": None if not self._select_secs else 1000 * _median(self._select_secs),
             "cost_t_verify_c0_ms": 1000 * (c0 * (tp or 0.0)),
             "cost_t_verify_c1_ms": 1000 * (c1 * (tp or 0.0)),
         }
@@ -424,10 +424,13 @@ class PerRequestGamma:
     """``auto`` per request for a batched engine: each request its own ``g`` in ``0..cap``.
 
     One :class:`AutoGamma` per request id -- its own :class:`AcceptanceEstimate`, warm-up, probes
-    and history -- all sharing one :class:`StepCostModel` that the engine feeds with its step
-    timings (:meth:`observe_step`). A request's choice is AutoGamma's decision for a batch of that
-    request alone under the shared costs: a request whose drafts are rejected goes plain (``g =
-    0``) while one whose drafts are accepted keeps drafting. A new request's prior acceptance is
+    and history -- all sharing the :class:`StepCostModel` of the step's batch size (one per power
+    of two: a step of 16 requests costs more plain steps of verification and drafting than one of
+    a single request, and a stale plain step from another batch size would misprice both) that the
+    engine feeds with its step timings (:meth:`observe_step`). A request's choice is AutoGamma's
+    decision for a batch of that request alone under the shared costs: a request whose drafts are
+    rejected goes plain (``g = 0``) while one whose drafts are accepted keeps drafting. A new
+    request's prior acceptance is
     the rate the engine's requests showed lately (all of them pooled, ``acceptance_decay`` per
     verified request), so it starts where its peers are instead of climbing from
     ``prior_acceptance``. Runner-independent (the vLLM plugin drives it from
@@ -444,12 +447,23 @@ class PerRequestGamma:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
         self._kw = dict(auto_kwargs)
-        self.costs = StepCostModel(self._kw.get("window", 5), self._kw.get("cost_ema", 0.5))
+        self.cost_models: Dict[int, StepCostModel] = {}  # by batch size rounded down to a power of two
+        self.costs = self.use_costs(1)  # the current step's
         # every request's verified drafts pooled: the prior of the requests to come
         self.engine_acc = AutoGamma(max_gamma, **self._kw).acc
         self.requests: Dict[str, AutoGamma] = {}
         self.choices = [0] * (max_gamma + 1)  # decisions per g, all requests
         self.vetoed = 0  # steps whose drafts the batch check turned into a plain step
+
+    def use_costs(self, batch_size: int) -> StepCostModel:
+        """Makes the cost model of ``batch_size`` requests (rounded down to a power of two) the
+        current one (:attr:`costs`) and returns it."""
+        b = 1 << (max(1, int(batch_size)).bit_length() - 1)
+        m = self.cost_models.get(b)
+        if m is None:
+            m = self.cost_models[b] = StepCostModel(self._kw.get("window", 5), self._kw.get("cost_ema", 0.5))
+        self.costs = m
+        return m
 
     def policy(self, req_id: str) -> AutoGamma:
         """The request's :class:`AutoGamma` (created on first use, sharing :attr:`costs`)."""
@@ -468,18 +482,23 @@ class PerRequestGamma:
         import torch
 
         cap = max(0, min(self.max_gamma, int(cap)))
-        g = self.policy(req_id).choose(torch.tensor([cap]), cap)
+        p = self.policy(req_id)
+        p.costs = self.costs
+        g = p.choose(torch.tensor([cap]), cap)
         self.choices[g] += 1
         return g
 
-    def choose_batch(self, reqs: List[Tuple[str, int]]) -> List[int]:
+    def choose_batch(self, reqs: List[Tuple[str, int]], batch_size: Optional[int] = None) -> List[int]:
         """Drafts for one engine step of the requests ``[(req_id, cap)]``: each request's own
         :meth:`choose`, then the batch's check -- a step's draft forwards and its verification are
         paid by every request of the batch, so the drafts go ahead only when the batch's expected
         tokens per unit time (``sum_i E_i(g_i) / cost(max g)``) beat a plain step's (``len(reqs)``)
-        by the margin, or while a request probes or the costs are not measured yet; else all ``0``."""
+        by the margin, or while a request probes or the costs are not measured yet; else all ``0``.
+        Prices the step with the cost model of ``batch_size`` requests (default ``len(reqs)``: pass
+        the step's whole batch when some of its requests cannot draft)."""
         import torch
 
+        self.use_costs(len(reqs) if batch_size is None else batch_size)
         probes = {rid: self.policy(rid).num_probes for rid, _ in reqs}
         gs = [self.choose(rid, cap) for rid, cap in reqs]
         top = max(gs, default=0)
@@ -502,9 +521,10 @@ class PerRequestGamma:
             self.requests[req_id].acc.observe(*obs)
             self.engine_acc.observe(*obs)
 
-    def observe_step(self, costs: IterationCosts) -> None:
-        """One engine step's timings (``costs.gamma``: the most drafts any request verified)."""
-        self.costs.observe(costs)
+    def observe_step(self, costs: IterationCosts, batch_size: Optional[int] = None) -> None:
+        """One engine step's timings (``costs.gamma``: the most drafts any request verified), for
+        the cost model of ``batch_size`` requests (default: the current one's)."""
+        (self.costs if batch_size is None else self.use_costs(batch_size)).observe(costs)
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's estimates."""
@@ -514,7 +534,7 @@ class PerRequestGamma:
         """``gamma_histogram`` (decisions per ``g`` over all requests), the cost model's ``cost_t_*_ms``,
         ``engine_acceptance`` (the new requests' prior) and ``tracked_requests``."""
         return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.costs.stats(),
-                "engine_acceptance": round(self.engine_acc.pooled(), 4),
+                "engine_acceptance": round(self.engine_acc.pooled(), 4), "cost_batch_sizes": sorted(self.cost_models),
                 "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
 
 

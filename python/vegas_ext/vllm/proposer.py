@@ -234,7 +234,7 @@ class VegasProposer:
         if pure:
             t_draft, t_select = self._prev_costs
             pol.observe_step(IterationCosts(max(prev.values(), default=0), t_draft, t_start - self._prev_end,
-                                            t_select, scored=scored))
+                                            t_select, scored=scored), len(req_ids))
 
     def _group(self, runner):
         groups = [g for gs in runner.attn_groups for g in gs]
@@ -284,7 +284,8 @@ class VegasProposer:
             if cap > 0:
                 cand.append((i, p, cap))
         if self.gamma_policy is not None and cand:
-            cand = [(i, p, g) for (i, p, _), g in zip(cand, self._choose([(req_ids[i], c) for i, _, c in cand]))]
+            gs = self._choose([(req_ids[i], c) for i, _, c in cand], num_reqs)
+            cand = [(i, p, g) for (i, p, _), g in zip(cand, gs)]
         rows, P, tail_tok, ndraft, last = [], [], [], [], []
         for i, p, cap in cand:
             if cap <= 0:
@@ -304,11 +305,11 @@ class VegasProposer:
                          ndraft=torch.tensor(ndraft, device=dev), ndraft_list=ndraft,
                          last=torch.tensor(last, dtype=torch.int32, device=dev), bt=bt_all[rows_t].long())
 
-    def _choose(self, reqs) -> List[int]:
-        """The ``auto`` policy's drafts for ``[(request id, cap)]``. Under tensor parallelism every
-        rank must run the same draft forwards, and each rank times its own steps: rank 0's choices
-        are broadcast to the others."""
-        gs = self.gamma_policy.choose_batch(reqs)
+    def _choose(self, reqs, batch_size: int) -> List[int]:
+        """The ``auto`` policy's drafts for ``[(request id, cap)]`` in a step of ``batch_size``
+        requests. Under tensor parallelism every rank must run the same draft forwards, and each
+        rank times its own steps: rank 0's choices are broadcast to the others."""
+        gs = self.gamma_policy.choose_batch(reqs, batch_size)
         from vllm.distributed import get_tp_group
 
         tp = get_tp_group()
