@@ -430,10 +430,9 @@ class PerRequestGamma:
     engine feeds with its step timings (:meth:`observe_step`). A request's choice is AutoGamma's
     decision for a batch of that request alone under the shared costs: a request whose drafts are
     rejected goes plain (``g = 0``) while one whose drafts are accepted keeps drafting. A new
-    request's prior acceptance is
-    the rate the engine's requests showed lately (all of them pooled, ``acceptance_decay`` per
-    verified request), so it starts where its peers are instead of climbing from
-    ``prior_acceptance``. Runner-independent (the vLLM plugin drives it from
+    request's prior acceptance is the rate the engine's requests showed lately (all of them pooled,
+    ``acceptance_decay`` per verified request), so it starts where its peers are instead of
+    climbing from ``prior_acceptance``. Runner-independent (the vLLM plugin drives it from
     ``vegas_ext.vllm.proposer``).
 
     Args:
