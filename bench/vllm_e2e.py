@@ -14,8 +14,10 @@ cycled so that the keys come from memory as in a forward): vLLM's own kernel
 (``cpu_attention_with_kv_cache``), that kernel plus ``paged_block_scores`` (the plugin before
 issue 32), and ``paged_verify_attention`` (output and scores in one pass), alternating, medians.
 
-Per (context, batch) cell: B prompts of ``context`` tokens of real text (different offsets of
-*Pride and Prejudice*), first generated with ``max_tokens=1`` so that the prompts sit in vLLM's
+Per (context, batch) cell: B prompts of ``context`` tokens of real text (``--document``, *Pride
+and Prejudice* by default: windows at different offsets, or with ``--prompt-style summarize``
+bench/e2e.py's prompts: a part of it and its summary instruction in the chat template), first
+generated with ``max_tokens=1`` so that the prompts sit in vLLM's
 prefix cache, then again with ``max_tokens=new_tokens`` (greedy, EOS ignored), timed: output
 tokens / s of that second call is (almost) pure decoding. Mean acceptance length = 1 + accepted /
 drafts from ``LLM.get_metrics()`` over that call. ``decode_tokens_per_s`` leaves out the prefill
@@ -119,17 +121,32 @@ def _decode_rate(outs):
     return n / span if span > 0 else None
 
 
+def cell_prompts(tok, document: str, ctx: int, B: int, style: str):
+    """``B`` prompts of exactly ``ctx`` token ids from ``document`` (a name or a text file, as in
+    :func:`bench.e2e.document_text`). ``style="text"``: windows of the document's tokens at offsets
+    ``i * 7919`` (mod the room left). ``style="summarize"``: :func:`bench.e2e.build_batch`'s prompts
+    (row ``i`` from ``i / B`` into the document, then its summary instruction, in the chat
+    template), the prompts of our own loop's harness. Raises ``ValueError`` naming ``--document``
+    if the document is too short."""
+    from bench.e2e import build_batch, document_text
+
+    if style == "summarize":
+        return build_batch(tok, document, ctx, B, chat=True)[0].tolist()
+    ids = tok(document_text(document)[0])["input_ids"]
+    if len(ids) <= ctx:
+        raise ValueError(f"--document {document!r} has {len(ids)} tokens; a {ctx}-token prompt needs more")
+    return [ids[(i * 7919) % (len(ids) - ctx):][:ctx] for i in range(B)]
+
+
 def worker(args):
     """One engine, all cells; prints one JSON line per cell to args.worker_out."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vegas_ext.documents import load_document
     from vegas_ext.models import convert_gguf, default_model_path
 
     model = args.model or convert_gguf(default_model_path())
     tok = AutoTokenizer.from_pretrained(model)
-    ids = tok(load_document("pride_and_prejudice"))["input_ids"]
     spec = spec_for(args.method, args.gamma, args.ratio, args.min_tokens)
     t0 = time.perf_counter()
     # γ + 1 positions of headroom: vLLM's runner skips the drafter for the whole batch (ngram included)
@@ -144,7 +161,8 @@ def worker(args):
     with open(args.worker_out, "a") as f:
         for ctx in args.contexts:
             for B in args.batches:
-                prompts = [{"prompt_token_ids": ids[(i * 7919) % (len(ids) - ctx):][:ctx]} for i in range(B)]
+                prompts = [{"prompt_token_ids": p} for p in cell_prompts(tok, args.document, ctx, B,
+                                                                        args.prompt_style)]
                 llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
                 c0, s0 = _counters(llm), _proposer_stats(stats_dir)
                 sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -273,7 +291,8 @@ def summarize(rows, cfg):
         lines.append(f"| {ctx} | {B} | " + " | ".join(tps) + " | " + " | ".join(mals) + f" | {same} |")
     head = (f"vLLM {cfg['vllm']} ({cfg['device']}, {cfg['threads']}), SmolLM2-135M-Instruct {cfg['dtype']}, "
             f"block {cfg['block_size']}, "
-            f"eager; greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']} "
+            f"eager; prompts: {cfg.get('document', 'pride_and_prejudice')} ({cfg.get('prompt_style', 'text')}); "
+            f"greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']} "
             "(vegas_auto: at most γ, per request); "
             f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens; ngram lookup 2-4. "
             f"Commit {cfg['commit']}. Output tokens/s (ratio to no speculation), MAL = mean acceptance length "
@@ -317,6 +336,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="model dtype (GPU FlashAttention needs bfloat16/float16)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "tmp", "vllm_e2e"))
+    p.add_argument("--document", default="pride_and_prejudice",
+                   help="prompt text: a name (pride_and_prejudice, kjv, python_docs) or a UTF-8 text file")
+    p.add_argument("--prompt-style", default="text", choices=("text", "summarize"),
+                   help="text: windows of the document; summarize: a part of it, its summary instruction, the "
+                        "chat template (bench/e2e.py's prompts)")
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--verify-cost", action="store_true",
                    help="time one verification's attention per layer: vLLM's kernel, + paged_block_scores, "
@@ -325,7 +349,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="--verify-cost: rounds (medians)")
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from bench.e2e import document_text
+
+    try:
+        document_text(args.document)
+    except ValueError as e:
+        p.error(f"--document: {e}")
+    return args
 
 
 def write_config(args: argparse.Namespace) -> dict:
@@ -360,7 +391,7 @@ def run_method(args: argparse.Namespace, m: str, runs: str) -> None:
            "--contexts", *map(str, args.contexts),
            "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
            "--ratio", str(args.ratio), "--min-tokens", str(args.min_tokens), "--block-size", str(args.block_size),
-           "--dtype", args.dtype]
+           "--dtype", args.dtype, "--document", args.document, "--prompt-style", args.prompt_style]
     if args.model:
         cmd += ["--model", args.model]
     subprocess.run(cmd, env=env, check=True, cwd=ROOT)

@@ -352,3 +352,27 @@ def test_vllm_e2e_reads_the_proposer_counters_and_tables_them():
     text = vllm_e2e.summarize(rows, cfg)
     assert "| 2048 | 4 | 10.0 | 15.0 (1.50x) | 3.50 | vegas_auto: yes |" in text
     assert "| 2048 | 4 | vegas_auto | 18.0 (1.50x) | 96 (15%) | [2, 3, 7] | 1 |" in text
+
+
+def test_vllm_e2e_prompts(tiny_doc_model_dir, tmp_path):
+    """bench/vllm_e2e.py's prompts: text windows or summarize prompts (bench/e2e.py's), exactly
+    ``context`` tokens, different per request; a missing --document is a CLI error."""
+    from transformers import AutoTokenizer
+
+    from bench import vllm_e2e
+
+    tok = AutoTokenizer.from_pretrained(tiny_doc_model_dir)
+    tok.chat_template = ("{% for m in messages %}<user> {{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %} <assistant>{% endif %}")
+    text = vllm_e2e.cell_prompts(tok, "kjv", 300, 3, "text")
+    summ = vllm_e2e.cell_prompts(tok, "kjv", 300, 3, "summarize")
+    assert [len(p) for p in text + summ] == [300] * 6
+    assert len({tuple(p) for p in text}) == 3 and len({tuple(p) for p in summ}) == 3
+    assert summ == e2e.build_batch(tok, "kjv", 300, 3, chat=True)[0].tolist()
+    assert summ[0][:280] != text[0][:280]
+    f = tmp_path / "short.txt"
+    f.write_text("a few words", encoding="utf-8")
+    with pytest.raises(ValueError, match="--document"):
+        vllm_e2e.cell_prompts(tok, str(f), 300, 1, "text")
+    with pytest.raises(SystemExit):
+        vllm_e2e.parse_args(["--document", str(tmp_path / "missing.txt")])
