@@ -465,11 +465,11 @@ class PerRequestGamma:
         return m
 
     def policy(self, req_id: str) -> AutoGamma:
-        """The request's :class:`AutoGamma` (created on first use, sharing :attr:`costs`)."""
+        """The request's :class:`AutoGamma` (created on first use; :meth:`choose` gives it the
+        current step's cost model)."""
         p = self.requests.get(req_id)
         if p is None:
             p = self.requests[req_id] = AutoGamma(self.max_gamma, **self._kw)
-            p.costs = self.costs
             p.acc.prior_acceptance = self.engine_acc.pooled()
             if self.costs.t_plain is not None:  # costs known: skip the warm-up that measures them
                 p.history.extend([0, 0])
