@@ -356,6 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         document_text(args.document)
     except ValueError as e:
         p.error(f"--document: {e}")
+    if os.path.isfile(args.document):  # the workers run from the repository root
+        args.document = os.path.abspath(args.document)
     return args
 
 
