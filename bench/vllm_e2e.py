@@ -324,24 +324,30 @@ def _drafter_table(rows, base):
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv[1:]``); ``--method`` / ``--worker-out`` (hidden)
     make the process one method's worker."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS)
-    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--gamma", type=int, default=6)
-    p.add_argument("--ratio", type=float, default=0.05)
-    p.add_argument("--min-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=32)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS, metavar="METHOD",
+                   help="none: no speculation; ngram: vLLM's prompt lookup; vegas / streamingllm: the plugin, every "
+                        "request drafts γ over selected pages; vegas_auto: the plugin's default, each request 0..γ; "
+                        "*_token: selected tokens instead of pages; vegas_2pass / vegas_own_weights: A/B variants; "
+                        f"one of {', '.join(METHODS)}")
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128], help="prompt tokens per request")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16], help="requests per cell")
+    p.add_argument("--new-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--gamma", type=int, default=6, help="num_speculative_tokens (the most with vegas_auto)")
+    p.add_argument("--ratio", type=float, default=0.05, help="sparse_attn_ratio: draft budget / context")
+    p.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM's page size in tokens")
     p.add_argument("--dtype", default="float32", help="model dtype (GPU FlashAttention needs bfloat16/float16)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "tmp", "vllm_e2e"))
+    p.add_argument("--out", default=os.path.join(HERE, "results", "tmp", "vllm_e2e"),
+                   help="folder for runs.jsonl, summary.md, config.json")
     p.add_argument("--document", default="pride_and_prejudice",
                    help="prompt text: a name (pride_and_prejudice, kjv, python_docs) or a UTF-8 text file")
     p.add_argument("--prompt-style", default="text", choices=("text", "summarize"),
                    help="text: windows of the document; summarize: a part of it, its summary instruction, the "
                         "chat template (bench/e2e.py's prompts)")
-    p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--verify-cost", action="store_true",
                    help="time one verification's attention per layer: vLLM's kernel, + paged_block_scores, "
                         "paged_verify_attention (no engine)")
