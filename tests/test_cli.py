@@ -753,3 +753,21 @@ def test_compare_baseline_ignores_the_models_generation_config_processors(tiny_m
     assert rc == 0, err
     d = json.loads(out)
     assert d["identical"] is True and d["plain_identical"] is True, d.get("first_difference")
+
+
+def test_busy_machine_note(monkeypatch):
+    """The report warns when other jobs loaded the CPU (speeds of sequential runs not comparable)."""
+    from vegas_ext.cli import report
+
+    n = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (n + 2.0, 0.0, 0.0))
+    note = report.busy_note()
+    assert note.startswith(f"note: load average {n + 2.0:.1f} on {n} cores") and "idle machine" in note
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(n), 0.0, 0.0))
+    assert report.busy_note() is None
+
+    def no_load():
+        raise OSError("no load average")
+
+    monkeypatch.setattr(os, "getloadavg", no_load)
+    assert report.busy_note() is None

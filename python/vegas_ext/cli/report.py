@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from .common import _eprint, _jsonable
 from .compare import identical_line
@@ -63,6 +64,25 @@ def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str) -> Non
         _print_hf_comparison(result, dtype_name)
     if result.get("plain_time_s") is not None:
         _print_plain_comparison(result)
+    note = busy_note()
+    if note:
+        _eprint(note)
+
+
+def busy_note() -> Optional[str]:
+    """A warning line when the 1-minute load average exceeds the cores (plus a margin for this
+    process's own threads winding down): other jobs then shared the CPU, and runs made one after
+    another (Vegas, the plain loop, HF) were timed under different loads. ``None`` otherwise or
+    where the OS has no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    n = os.cpu_count() or 1
+    if load <= n + 0.75:
+        return None
+    return (f"note: load average {load:.1f} on {n} cores: other jobs shared the CPU during this run, so its "
+            "speeds and speedups are not comparable; rerun on an idle machine")
 
 
 def _print_text(texts: List[str]) -> None:
