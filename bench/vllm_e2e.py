@@ -121,21 +121,26 @@ def _decode_rate(outs):
     return n / span if span > 0 else None
 
 
-def cell_prompts(tok, document: str, ctx: int, B: int, style: str):
-    """``B`` prompts of exactly ``ctx`` token ids from ``document`` (a name or a text file, as in
-    :func:`bench.e2e.document_text`). ``style="text"``: windows of the document's tokens at offsets
-    ``i * 7919`` (mod the room left). ``style="summarize"``: :func:`bench.e2e.build_batch`'s prompts
-    (row ``i`` from ``i / B`` into the document, then its summary instruction, in the chat
-    template), the prompts of our own loop's harness. Raises ``ValueError`` naming ``--document``
-    if the document is too short."""
+def prompt_maker(tok, document: str, style: str):
+    """``cell_prompts(ctx, B)``: ``B`` prompts of exactly ``ctx`` token ids from ``document`` (a
+    name or a text file, as in :func:`bench.e2e.document_text`). ``style="text"``: windows of the
+    document's tokens (tokenized once, here) at offsets ``i * 7919`` (mod the room left).
+    ``style="summarize"``: :func:`bench.e2e.build_batch`'s prompts (row ``i`` from ``i / B`` into
+    the document, then its summary instruction, in the chat template), the prompts of our own
+    loop's harness. ``cell_prompts`` raises ``ValueError`` naming ``--document`` if the document
+    is too short."""
     from bench.e2e import build_batch, document_text
 
     if style == "summarize":
-        return build_batch(tok, document, ctx, B, chat=True)[0].tolist()
+        return lambda ctx, B: build_batch(tok, document, ctx, B, chat=True)[0].tolist()
     ids = tok(document_text(document)[0])["input_ids"]
-    if len(ids) <= ctx:
-        raise ValueError(f"--document {document!r} has {len(ids)} tokens; a {ctx}-token prompt needs more")
-    return [ids[(i * 7919) % (len(ids) - ctx):][:ctx] for i in range(B)]
+
+    def cell_prompts(ctx: int, B: int):
+        if len(ids) <= ctx:
+            raise ValueError(f"--document {document!r} has {len(ids)} tokens; a {ctx}-token prompt needs more")
+        return [ids[(i * 7919) % (len(ids) - ctx):][:ctx] for i in range(B)]
+
+    return cell_prompts
 
 
 def worker(args):
@@ -147,6 +152,7 @@ def worker(args):
 
     model = args.model or convert_gguf(default_model_path())
     tok = AutoTokenizer.from_pretrained(model)
+    cell_prompts = prompt_maker(tok, args.document, args.prompt_style)
     spec = spec_for(args.method, args.gamma, args.ratio, args.min_tokens)
     t0 = time.perf_counter()
     # γ + 1 positions of headroom: vLLM's runner skips the drafter for the whole batch (ngram included)
@@ -161,8 +167,7 @@ def worker(args):
     with open(args.worker_out, "a") as f:
         for ctx in args.contexts:
             for B in args.batches:
-                prompts = [{"prompt_token_ids": p} for p in cell_prompts(tok, args.document, ctx, B,
-                                                                        args.prompt_style)]
+                prompts = [{"prompt_token_ids": p} for p in cell_prompts(ctx, B)]
                 llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
                 c0, s0 = _counters(llm), _proposer_stats(stats_dir)
                 sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)

@@ -364,8 +364,8 @@ def test_vllm_e2e_prompts(tiny_doc_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_doc_model_dir)
     tok.chat_template = ("{% for m in messages %}<user> {{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %} <assistant>{% endif %}")
-    text = vllm_e2e.cell_prompts(tok, "kjv", 300, 3, "text")
-    summ = vllm_e2e.cell_prompts(tok, "kjv", 300, 3, "summarize")
+    text = vllm_e2e.prompt_maker(tok, "kjv", "text")(300, 3)
+    summ = vllm_e2e.prompt_maker(tok, "kjv", "summarize")(300, 3)
     assert [len(p) for p in text + summ] == [300] * 6
     assert len({tuple(p) for p in text}) == 3 and len({tuple(p) for p in summ}) == 3
     assert summ == e2e.build_batch(tok, "kjv", 300, 3, chat=True)[0].tolist()
@@ -373,6 +373,6 @@ def test_vllm_e2e_prompts(tiny_doc_model_dir, tmp_path):
     f = tmp_path / "short.txt"
     f.write_text("a few words", encoding="utf-8")
     with pytest.raises(ValueError, match="--document"):
-        vllm_e2e.cell_prompts(tok, str(f), 300, 1, "text")
+        vllm_e2e.prompt_maker(tok, str(f), "text")(300, 1)
     with pytest.raises(SystemExit):
         vllm_e2e.parse_args(["--document", str(tmp_path / "missing.txt")])
