@@ -45,14 +45,15 @@ ROOT = os.path.dirname(HERE)
 # "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto");
 # "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B);
 # "*_token": draft_granularity "token" (selected tokens per KV head instead of whole pages), γ fixed;
-# every Vegas method drafts with int8 linears (draft_weights "int8") except "vegas_own_weights" (the
-# model's own weights, "vegas" otherwise: A/B)
-METHODS = ("none", "ngram", "vegas_2pass", "vegas", "vegas_own_weights", "streamingllm", "vegas_auto",
-           "vegas_token", "streamingllm_token")
+# "vegas_token_inplace": "vegas_token" with VEGAS_VLLM_GATHER_DRAFT_KV=0 (each step reads the selected
+# tokens in place instead of from the round's gathered copy: A/B);
+# the drafts' linears follow --draft-weights
+METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto", "vegas_token",
+           "vegas_token_inplace", "streamingllm_token")
 DEFAULT_METHODS = ["none", "ngram", "vegas", "streamingllm", "vegas_auto"]
 
 
-def spec_for(method, gamma, ratio, min_tokens):
+def spec_for(method, gamma, ratio, min_tokens, draft_weights="int8"):
     if method == "none":
         return None
     if method == "ngram":
@@ -60,12 +61,12 @@ def spec_for(method, gamma, ratio, min_tokens):
     from vegas_ext.vllm import speculative_config
 
     auto = method == "vegas_auto"
-    token = method.endswith("_token")
+    token = "_token" in method
     algo = "streamingllm" if method.startswith("streamingllm") else "vegas"
     spec = speculative_config(num_speculative_tokens=gamma, sparse_attn_algorithm=algo,
                               sparse_attn_ratio=ratio, sparse_attn_min_tokens=min_tokens,
                               draft_granularity="token" if token else "page",
-                              draft_weights=None if method == "vegas_own_weights" else "int8",
+                              draft_weights=None if draft_weights == "model" else draft_weights,
                               gamma_policy="auto" if auto else "fixed")
     return spec
 
@@ -153,7 +154,7 @@ def worker(args):
     model = args.model or convert_gguf(default_model_path())
     tok = AutoTokenizer.from_pretrained(model)
     cell_prompts = prompt_maker(tok, args.document, args.prompt_style)
-    spec = spec_for(args.method, args.gamma, args.ratio, args.min_tokens)
+    spec = spec_for(args.method, args.gamma, args.ratio, args.min_tokens, args.draft_weights)
     t0 = time.perf_counter()
     # γ + 1 positions of headroom: vLLM's runner skips the drafter for the whole batch (ngram included)
     # once its longest request is within γ of max_model_len, and then verifies γ token-0 drafts
@@ -299,7 +300,8 @@ def summarize(rows, cfg):
             f"eager; prompts: {cfg.get('document', 'pride_and_prejudice')} ({cfg.get('prompt_style', 'text')}); "
             f"greedy, {cfg['new_tokens']} new tokens per request after a cached prefill; γ = {cfg['gamma']} "
             "(vegas_auto: at most γ, per request); "
-            f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens; ngram lookup 2-4. "
+            f"Vegas / StreamingLLM budget ratio {cfg['ratio']}, min {cfg['min_tokens']} tokens, "
+            f"{cfg.get('draft_weights', 'int8')} draft weights; ngram lookup 2-4. "
             f"Commit {cfg['commit']}. Output tokens/s (ratio to no speculation), MAL = mean acceptance length "
             "(1 + accepted / drafts).\n\n")
     return head + "\n".join(lines) + "\n\n" + _drafter_table(rows, base)
@@ -334,7 +336,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS, metavar="METHOD",
                    help="none: no speculation; ngram: vLLM's prompt lookup; vegas / streamingllm: the plugin, every "
                         "request drafts γ over selected pages; vegas_auto: the plugin's default, each request 0..γ; "
-                        "*_token: selected tokens instead of pages; vegas_2pass / vegas_own_weights: A/B variants; "
+                        "*_token: selected tokens instead of pages; vegas_2pass: scores by a second pass, "
+                        "vegas_token_inplace: token drafts reading the cache in place (A/B); "
                         f"one of {', '.join(METHODS)}")
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128], help="prompt tokens per request")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16], help="requests per cell")
@@ -342,6 +345,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gamma", type=int, default=6, help="num_speculative_tokens (the most with vegas_auto)")
     p.add_argument("--ratio", type=float, default=0.05, help="sparse_attn_ratio: draft budget / context")
     p.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens")
+    p.add_argument("--draft-weights", default="int8", choices=("int8", "model"),
+                   help="the plugin's drafts' linears: int8 copies, or the model's own weights (the draft then "
+                        "differs from the target only in what its attention reads)")
     p.add_argument("--block-size", type=int, default=32, help="vLLM's page size in tokens")
     p.add_argument("--dtype", default="float32", help="model dtype (GPU FlashAttention needs bfloat16/float16)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2, converted)")
@@ -398,12 +404,15 @@ def run_method(args: argparse.Namespace, m: str, runs: str) -> None:
         env["VLLM_PLUGINS"] = ""
     if m == "vegas_2pass":
         env["VEGAS_VLLM_ONE_PASS"] = "0"
+    if m == "vegas_token_inplace":
+        env["VEGAS_VLLM_GATHER_DRAFT_KV"] = "0"
     if m not in ("none", "ngram"):  # the proposer's counters, read per cell
         env["VEGAS_VLLM_STATS_DIR"] = os.path.join(args.out, "proposer_stats", m)
     cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,
            "--contexts", *map(str, args.contexts),
            "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), "--gamma", str(args.gamma),
            "--ratio", str(args.ratio), "--min-tokens", str(args.min_tokens), "--block-size", str(args.block_size),
+           "--draft-weights", args.draft_weights,
            "--dtype", args.dtype, "--document", args.document, "--prompt-style", args.prompt_style]
     if args.model:
         cmd += ["--model", args.model]

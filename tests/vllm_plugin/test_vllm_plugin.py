@@ -46,6 +46,61 @@ def test_cpu_key_layout():
                 assert torch.equal(vview[s // bs, :, s % bs], val[i]), (isa, dt, s)
 
 
+@pytest.mark.parametrize("bs", [16, 32])
+def test_draft_kv_equals_paged_draft_attention(bs):
+    """Token-granular drafts over the K/V gathered once per round (DraftKV) attend exactly as
+    paged_sparse_draft_attention reads the same tokens in place, step after step, including steps
+    where only some requests still draft and a request with fewer selected tokens than the others."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vegas_ext import ops
+    from vegas_ext.vllm.backend import (
+        DraftKV,
+        VegasState,
+        draft_kv_attention,
+        gather_draft_kv,
+        key_cache_view,
+        value_cache_view,
+    )
+
+    g = torch.Generator().manual_seed(bs)
+    nb, H, Hq, D, R, gamma, max_pages = 45, 3, 9, 64, 3, 4, 14
+    kv = torch.randn(nb, H, bs, 2 * D, generator=g)
+    K, V = key_cache_view(kv), value_cache_view(kv)
+    bt = torch.randperm(nb, generator=g)[:R * max_pages].view(R, max_pages).to(torch.int32)  # no shared pages
+    P = torch.tensor([200, 131, 97])  # first draft position per request
+    tail = P - torch.tensor([7, 1, 4])  # tail starts (the verification window)
+    k = 40
+    sel = torch.full((R, H, k), -1, dtype=torch.int32)
+    for r in range(R):
+        for h in range(H):
+            n_r = k if r != 2 else 25  # request 2 has fewer selected tokens (-1 padding)
+            sel[r, h, :n_r] = torch.randperm(int(tail[r]), generator=g)[:n_r].sort().values.to(torch.int32)
+    width = k + int((P - tail).max()) + gamma
+    keys, values = gather_draft_kv(kv, bt, sel, tail.to(torch.int32), P, width)
+    idx = torch.where(sel >= 0, torch.arange(k, dtype=torch.int32), -1)
+    state = VegasState(draft_kv=DraftKV(keys={"l": keys}, values={"l": values}, indices={"l": idx},
+                                        tail_start=tail.long()))
+    impl, layer, scale = SimpleNamespace(vegas_state=state, scale=0.125), SimpleNamespace(layer_name="l"), 0.125
+    for j in range(gamma):
+        act = torch.arange(R) if j < 2 else torch.tensor([0, 2])  # request 1 stops after two drafts
+        n = int(act.numel())
+        state.draft_kv.rows = None if n == R else act
+        pos = P[act] + j
+        key, value, q = (torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g),
+                         torch.randn(n, Hq, D, generator=g))
+        page = bt[act].long().gather(1, (pos // bs).view(n, 1)).view(n)
+        K[page, :, pos % bs], V[page, :, pos % bs] = key, value  # what vLLM's cache update writes first
+        md = SimpleNamespace(num_actual_tokens=n, seq_lens=(pos + 1).to(torch.int32))
+        out = draft_kv_attention(layer, impl, q, key, value, md, torch.empty(n, Hq * D))
+        ref = ops.paged_sparse_draft_attention(q, K, V, bt[act], (pos + 1).to(torch.int32),
+                                               torch.arange(n + 1, dtype=torch.int32), sel[act].contiguous(),
+                                               tail[act].to(torch.int32), scale)
+        torch.testing.assert_close(out.view(n, Hq, D), ref, atol=2e-6, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def greedy_runs(smollm_dir, tokenizer, tmp_path_factory):
     prompts = text_prompts(tokenizer, LENGTHS)

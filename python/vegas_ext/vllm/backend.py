@@ -53,6 +53,8 @@ class VegasState:
         draft_tokens: while a token-granular draft runs, layer name -> ``[num_reqs, H_kv, K]``
             int32 selected tokens (ascending, -1 padded) of the draft batch's requests, and
         draft_tail: ``[num_reqs]`` int32, their tail starts; ``None`` for page-granular drafts.
+        draft_kv: while a token-granular draft runs, the selected tokens' and the tail's K/V
+            gathered once per round (:class:`DraftKV`).
         one_pass_calls / two_pass_calls: layer forwards that recorded scores with
             :func:`vegas_ext.ops.paged_verify_attention` / with vLLM's kernel plus
             :func:`vegas_ext.ops.paged_block_scores` (debug counters).
@@ -65,6 +67,7 @@ class VegasState:
     scores: Dict[str, torch.Tensor] = field(default_factory=dict)
     draft_tokens: Optional[Dict[str, torch.Tensor]] = None
     draft_tail: Optional[torch.Tensor] = None
+    draft_kv: Optional["DraftKV"] = None
     one_pass_calls: int = 0
     two_pass_calls: int = 0
 
@@ -115,6 +118,9 @@ def _collecting(impl, attn_metadata) -> bool:
 
 #: ``VEGAS_VLLM_ONE_PASS=0``: never use the one-pass verification (A/B measurements).
 ONE_PASS = os.environ.get("VEGAS_VLLM_ONE_PASS", "1") != "0"
+#: ``VEGAS_VLLM_GATHER_DRAFT_KV=0``: token-granular drafts read the selected tokens in place through
+#: the block table at every step instead of from :class:`DraftKV` (A/B measurements).
+GATHER_DRAFT_KV = os.environ.get("VEGAS_VLLM_GATHER_DRAFT_KV", "1") != "0"
 
 
 def one_pass_applies(impl, attn_metadata) -> bool:
@@ -158,6 +164,82 @@ def record_scores(layer, impl, query, key_cache, attn_metadata, value_cache=None
             impl.scale, st.score_block_size)
 
 
+@dataclass
+class DraftKV:
+    """The K/V a round of token-granular drafts reads, gathered from the paged cache once per round
+    (:func:`gather_draft_kv`): every draft step then reads them contiguously, where reading selected
+    tokens in place pulls ``head_dim`` cache lines per token from the CPU key layout ``[D, page_size]``.
+
+    Attributes:
+        keys / values: layer name -> ``[R, H_kv, W, D]``: positions ``[0, max_k)`` hold the selected
+            tokens (``indices`` says which are real), ``[max_k, W)`` the tail from ``tail_start``
+            on; each draft step appends its token there.
+        indices: layer name -> ``[R, H_kv, max_k]`` int32, ``i`` where position ``i`` holds a
+            selected token, else -1 (:func:`vegas_ext.ops.sparse_draft_attention`'s ``block_indices``, block size 1).
+        tail_start: ``[R]`` int64, the logical token at position ``max_k``.
+        rows: the draft batch's rows of ``R`` (``None``: all, in order).
+    """
+
+    keys: Dict[str, torch.Tensor]
+    values: Dict[str, torch.Tensor]
+    indices: Dict[str, torch.Tensor]
+    tail_start: torch.Tensor
+    rows: Optional[torch.Tensor] = None
+
+
+def gather_draft_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, token_indices: torch.Tensor,
+                    tail_start: torch.Tensor, tail_end: torch.Tensor, width: int):
+    """One layer's K/V for :class:`DraftKV`: ``[R, H_kv, width, D]`` keys and values, the tokens
+    ``token_indices`` ``[R, H_kv, max_k]`` (logical, -1 padded: those positions hold token 0) at
+    ``[0, max_k)``, then the tail tokens ``[tail_start, tail_end)`` (``[R]``) from ``max_k`` on
+    (positions past ``tail_end`` repeat its last token until a draft step writes them).
+    ``kv_cache``: a CPU_ATTN cache ``[num_blocks, H_kv, block_size, 2 * D]``; ``block_table``
+    ``[R, max_blocks]``."""
+    _, H_kv, bs, d2 = kv_cache.shape
+    D = d2 // 2
+    R, H, max_k = token_indices.shape
+    dev = token_indices.device
+    T = width - max_k
+    last = torch.maximum(tail_end.long() - 1, tail_start.long()).view(R, 1)
+    tail = torch.minimum(tail_start.long().view(R, 1) + torch.arange(T, device=dev).view(1, T), last)
+    tok = torch.cat([token_indices.clamp(min=0).long(), tail.view(R, 1, T).expand(R, H, T)], -1)  # [R, H, W]
+    phys = block_table.long().gather(1, torch.div(tok, bs, rounding_mode="floor").view(R, H * width))
+    # index_select on flat views is far cheaper than advanced indexing of the strided 4-D views
+    page_head = phys.view(R, H, width) * H_kv + torch.arange(H, device=dev).view(1, H, 1)
+    t = tok % bs
+    # values: whole D-element rows of a [-1, D] view; keys ([D, page_size] per page and head):
+    # one element each, by flat offset
+    rows = (page_head * (2 * bs) + bs + t).view(-1)
+    values = kv_cache.view(-1, D).index_select(0, rows).view(R, H, width, D)
+    d = torch.arange(D, device=dev).view(1, 1, 1, D) * bs
+    offsets = (page_head * (bs * d2) + t).unsqueeze(-1) + d
+    keys = kv_cache.view(-1).index_select(0, offsets.view(-1)).view(R, H, width, D)
+    return keys, values
+
+
+def draft_kv_attention(layer, impl, query, key, value, attn_metadata, output):
+    """A token-granular draft forward of ``layer`` over :class:`DraftKV`: appends this step's K/V
+    after the tail, then :func:`vegas_ext.ops.sparse_draft_attention` (block size 1) over the
+    selected tokens plus the tail. Returns ``output``."""
+    d = impl.vegas_state.draft_kv
+    name, n = layer.layer_name, attn_metadata.num_actual_tokens
+    keys, values = d.keys[name], d.values[name]
+    idx = d.indices[name]
+    max_k = idx.shape[-1]
+    rows = d.rows
+    start = d.tail_start if rows is None else d.tail_start[rows]
+    at = max_k + (attn_metadata.seq_lens[:n].long() - 1 - start)  # [n] this step's position in the buffer
+    r = torch.arange(n, device=at.device) if rows is None else rows
+    keys[r, :, at] = key[:n]
+    values[r, :, at] = value[:n]
+    if rows is not None:
+        keys, values, idx = keys[rows], values[rows], idx[rows]
+    out = ops.sparse_draft_attention(query[:n].unsqueeze(1), keys, values, idx, max_k, (at + 1).to(torch.int32), 1,
+                                     impl.scale)
+    output[:n].copy_(out.view(output[:n].shape))
+    return output
+
+
 def draft_token_attention(layer, impl, query, kv_cache, attn_metadata, output):
     """A token-granular draft forward of ``layer``: each query head attends to its KV head's
     selected tokens plus the tail (:func:`vegas_ext.ops.paged_sparse_draft_attention`), through the
@@ -185,6 +267,8 @@ class VegasCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if output_scale is None and output_block_scale is None and _token_drafting(self, attn_metadata):
+            if self.vegas_state.draft_kv is not None:
+                return draft_kv_attention(layer, self, query, key, value, attn_metadata, output)
             return draft_token_attention(layer, self, query, kv_cache, attn_metadata, output)
         if output_scale is None and output_block_scale is None and one_pass_applies(self, attn_metadata):
             # K/V of this step's tokens are already in the cache (do_kv_cache_update runs first)

@@ -61,7 +61,7 @@ from .. import ops
 from ..selection import streaming_indices
 from ..speculation import IterationCosts, PerRequestGamma
 from . import draft_linears
-from .backend import PLAIN_KEY_ISAS, VegasState, attach_state
+from .backend import GATHER_DRAFT_KV, PLAIN_KEY_ISAS, DraftKV, VegasState, attach_state, gather_draft_kv
 from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
 
 __all__ = ["VegasProposer"]
@@ -372,6 +372,8 @@ class VegasProposer:
         nsel = (sel >= 0).sum(-1).amax(-1)  # [L, R] tokens read per head before the tail
         bt32 = req.bt.to(torch.int32)
         cached = {"n": -1}
+        if GATHER_DRAFT_KV:
+            st.draft_kv = self._gather_draft_kv(runner, layer_names, req, sel)
 
         def metadata(act, n, pos, slots):
             if n != cached["n"]:  # the active requests only ever shrink
@@ -379,6 +381,8 @@ class VegasProposer:
                 st.draft_tokens = {name: (sel[li] if full else sel[li, act]).contiguous()
                                    for li, name in enumerate(layer_names)}
                 st.draft_tail = req.tail_tok if full else req.tail_tok[act].contiguous()
+                if st.draft_kv is not None:
+                    st.draft_kv.rows = None if full else act
                 cached.update(n=n, bt=bt32 if full else bt32[act].contiguous(),
                               qsl=torch.arange(n + 1, dtype=torch.int32, device=act.device))
             lens = (pos + 1).to(torch.int32)
@@ -402,7 +406,21 @@ class VegasProposer:
         try:
             return self._greedy_drafts(runner, layer_names, req, bs, metadata)
         finally:
-            st.draft_tokens = st.draft_tail = None
+            st.draft_tokens = st.draft_tail = st.draft_kv = None
+
+    def _gather_draft_kv(self, runner, layer_names, req: _Drafting, sel) -> DraftKV:
+        """The round's :class:`~vegas_ext.vllm.backend.DraftKV`: each layer's selected tokens and
+        the tail so far, gathered once, with room for the γ drafts."""
+        ctx = runner.compilation_config.static_forward_context
+        width = sel.shape[-1] + int((req.P - req.tail_tok.long()).max()) + self.num_speculative_tokens
+        keys, values, indices = {}, {}, {}
+        pos = torch.arange(sel.shape[-1], dtype=torch.int32, device=sel.device)
+        for li, name in enumerate(layer_names):
+            kv = ctx[name].kv_cache
+            kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+            keys[name], values[name] = gather_draft_kv(kv, req.bt, sel[li], req.tail_tok, req.P, width)
+            indices[name] = torch.where(sel[li] >= 0, pos, -1)
+        return DraftKV(keys=keys, values=values, indices=indices, tail_start=req.tail_tok.long())
 
     @staticmethod
     def _tables(req: _Drafting, selection, bs: int) -> _Tables:
