@@ -204,11 +204,10 @@ def gather_draft_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, token_ind
     tail = torch.minimum(tail_start.long().view(R, 1) + torch.arange(T, device=dev).view(1, T), last)
     tok = torch.cat([token_indices.clamp(min=0).long(), tail.view(R, 1, T).expand(R, H, T)], -1)  # [R, H, W]
     phys = block_table.long().gather(1, torch.div(tok, bs, rounding_mode="floor").view(R, H * width))
-    # index_select on flat views is far cheaper than advanced indexing of the strided 4-D views
     page_head = phys.view(R, H, width) * H_kv + torch.arange(H, device=dev).view(1, H, 1)
     t = tok % bs
-    # values: whole D-element rows of a [-1, D] view; keys ([D, page_size] per page and head):
-    # one element each, by flat offset
+    # index_select on flat views (far cheaper than advanced indexing of the strided 4-D views):
+    # values as D-element rows, keys ([D, page_size] per page and head) one element at a time
     rows = (page_head * (2 * bs) + bs + t).view(-1)
     values = kv_cache.view(-1, D).index_select(0, rows).view(R, H, width, D)
     d = torch.arange(D, device=dev).view(1, 1, 1, D) * bs
