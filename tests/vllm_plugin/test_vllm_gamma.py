@@ -18,10 +18,11 @@ GAMMA = 5
 NEW = 40
 
 
-def _run(cfg, stats_dir, gamma_policy):
+def _run(cfg, stats_dir, gamma_policy, granularity="page"):
     c = json.loads(json.dumps(cfg))
     c["llm"]["speculative_config"] = dict(
-        speculative_config(num_speculative_tokens=GAMMA, sparse_attn_ratio=0.05, sparse_attn_min_tokens=128),
+        speculative_config(num_speculative_tokens=GAMMA, sparse_attn_ratio=0.05, sparse_attn_min_tokens=128,
+                           draft_granularity=granularity),
         gamma_policy=gamma_policy)
     r = run_llm(c, env={"VEGAS_VLLM_STATS_DIR": stats_dir})
     assert "error" not in r, r.get("traceback")
@@ -40,14 +41,22 @@ def _check_identical(stock, ours):
         assert a == b, f"request {i}: first difference at token {_first_diff(a, b)}"
 
 
-def test_auto_greedy_identical_to_stock_vllm(smollm_dir, tokenizer, tmp_path_factory):
-    """Real text, 4 requests of different lengths (they end at different steps): same tokens as
-    vLLM without speculation; drafts per request vary within 0..γ."""
+@pytest.fixture(scope="module")
+def auto_case(smollm_dir, tokenizer):
+    """Real text, 4 requests of different lengths (they end at different steps), and vLLM's
+    output without speculation."""
     prompts = text_prompts(tokenizer, [900, 2300, 400, 3100])
     cfg = {"llm": dict(BASE_LLM, model=smollm_dir, max_model_len=4096), "prompts": prompts,
            "sampling": {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}}
-    stock = run_llm(cfg, plugin=False)
-    ours = _run(cfg, str(tmp_path_factory.mktemp("auto-smollm")), "auto")
+    return cfg, run_llm(cfg, plugin=False)
+
+
+@pytest.mark.parametrize("granularity", ["page", "token"])
+def test_auto_greedy_identical_to_stock_vllm(auto_case, granularity, tmp_path_factory):
+    """Same tokens as vLLM without speculation; drafts per request vary within 0..γ, so token drafts
+    also run steps where only some requests still draft (their gathered K/V rows)."""
+    cfg, stock = auto_case
+    ours = _run(cfg, str(tmp_path_factory.mktemp(f"auto-smollm-{granularity}")), "auto", granularity)
     _check_identical(stock["outputs"], ours["outputs"])
     m, s = ours["metrics"], ours["stats"]
     hist = s["gamma_histogram"]
