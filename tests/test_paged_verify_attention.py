@@ -118,6 +118,16 @@ def test_padding_rows_and_num_queries():
     torch.testing.assert_close(last, only_last)
 
 
+@pytest.mark.parametrize("sb", [None, 1])
+def test_no_query_gives_zeros(sb):
+    """Requests without queries (every one of them, padded rows after): zero output, zero scores."""
+    q, kc, vc, bt, lens, qsl = _case([0, 0], [50, 90], 4, 2, 64, 32, torch.float32, seed=5)
+    for _ in range(2):  # the second call reuses the first's freed (non-zero) memory
+        out, sc = ops.paged_verify_attention(torch.randn(3, 4, 64) * 1e3, kc, vc, bt, lens, qsl, 4, 0.125,
+                                             score_block_size=sb)
+        assert torch.all(out == 0) and torch.all(sc == 0)
+
+
 def test_nan_key_poisons_only_rows_that_see_it():
     """A NaN key at the last position reaches only the last query (as in the reference)."""
     q, kc, vc, bt, lens, qsl = _case([3], [40], 2, 1, 16, 8, torch.float32, seed=4, layout="dense")
@@ -257,6 +267,8 @@ def test_token_scores_sum_to_page_scores(threads):
                     assert torch.all(tok[r, :, L:] == 0)
                     if q_lens[r]:
                         assert torch.all(tok[r, :, :L] >= 0)
+                    else:  # no query, no mass (the kernel writes every score: its outputs start uninitialized)
+                        assert torch.all(tok[r] == 0) and torch.all(page[r] == 0)
     finally:
         torch.set_num_threads(old)
 

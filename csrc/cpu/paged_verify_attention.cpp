@@ -11,7 +11,8 @@
 // exp and sum, the per-page sums of the scored rows relative to the running max after the chunk
 // (kept with it), then P V (head_dim in lanes from the [page_size, D] value pages). A second,
 // small pass per (request, KV head) combines the splits (flash-decoding) into the output and the
-// row's log-sum-exp, and normalizes each page sum by exp(chunk max - lse): the same scores as
+// row's log-sum-exp, and normalizes each page sum by exp(chunk max - lse) (with one split, each
+// scored unit does this itself at its end, from sums in its thread's cache): the same scores as
 // paged_block_scores (each row's probabilities summed per page), so a proposer's selection does
 // not change. The last min(q_len, num_queries) queries of a request form one block (the scored
 // rows); earlier queries (a prefill chunk) go in blocks of at most kMaxRows rows. Other layouts
@@ -75,8 +76,23 @@ float* grow(std::vector<float>& v, int64_t n) {
 }
 
 struct ThreadBuf {
-  std::vector<float> qf, s, kbuf, vbuf, acc, m, l;
+  std::vector<float> qf, s, kbuf, vbuf, acc, m, l, bsum;
 };
+
+// Adds one scored row's mass to the score blocks sc: its fine-block sums bsr (each chunk's
+// relative to the row's running max after that chunk, mcr[c * nsc]) times exp(max - lse).
+void add_row_mass(float* sc, const float* bsr, const float* mcr, int64_t nsc, float lse, int64_t L, int64_t ch,
+                  int64_t f, int64_t sb) {
+  for (int64_t c = 0; c * ch < L; ++c) {
+    const float w = std::exp(mcr[c * nsc] - lse);
+    if (!(w > 0.f)) continue;  // the row's max grew far past this chunk's: no mass
+    const int64_t j1 = std::min(ceil_div(L, f), (c + 1) * ch / f);
+    if (f == sb)
+      for (int64_t j = c * ch / f; j < j1; ++j) sc[j] += bsr[j] * w;
+    else
+      for (int64_t j = c * ch / f; j < j1; ++j) sc[j * f / sb] += bsr[j] * w;
+  }
+}
 
 template <typename T>
 void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens,
@@ -101,7 +117,10 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
       for (int64_t i0 = 0; i0 < ql - n; i0 += qb) units.push_back({r, g, i0, std::min(i0 + qb, ql - n), false});
     }
   }
-  if (units.empty()) return;
+  if (units.empty()) {  // no request has a query: no output row to write, no mass
+    std::fill(scores, scores + R * d.Hkv * nb, 0.f);
+    return;
+  }
   // Chunks of about kChunkTokens whole pages: a chunk's scores of every row stay in L1/L2 while
   // they are made, exponentiated, summed per page and multiplied by V (online softmax over chunks).
   const int64_t ch = std::max<int64_t>(1, kChunkTokens / ps) * ps;
@@ -117,7 +136,11 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
   float* m_all = grow(m_buf, nsplit * nrow);
   float* l_all = grow(l_buf, nsplit * nrow);
   float* acc_all = grow(acc_buf, nsplit * nrow * D);
-  float* bsum = grow(bsum_buf, R * d.Hkv * nsc1 * nf);  // [R * Hkv, nsc, nf]: fine sums, relative to mc
+  // One split: a scored unit sees all its keys, knows its rows' lse at its end and adds their mass
+  // to the scores itself, from fine sums in its thread's cache (per-token sums of every request in
+  // one buffer, 8 MB at 8K x 4, cost more to write and read back than the attention's own work).
+  const bool fused = nsplit == 1;
+  float* bsum = fused ? nullptr : grow(bsum_buf, R * d.Hkv * nsc1 * nf);  // [R * Hkv, nsc, nf]: fine sums
   float* mc = grow(mc_buf, R * d.Hkv * nch * nsc1);    // [R * Hkv, nch, nsc]: running max after chunk
   const bool k_direct = std::is_same_v<T, float> && d.ks_t == 1;
   const bool v_direct = std::is_same_v<T, float> && d.vs_d == 1;
@@ -137,7 +160,7 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
           return sp * nrow + (tq0 + rr / G) * Hq + u.g * G + rr % G;
         };
         const int64_t bg = u.r * d.Hkv + u.g;
-        float* bs = bsum + bg * nsc * nf;
+        float* bs = fused ? grow(tb.bsum, nsc * nf) : bsum + bg * nsc * nf;
         float* mcr = mc + bg * nch * nsc;
         tb.m.assign(rows, -std::numeric_limits<float>::infinity());
         tb.l.assign(rows, 0.f);
@@ -218,6 +241,12 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
           l_all[state(rr)] = tb.l[rr];
           if (te > t0) std::copy(tb.acc.data() + rr * D, tb.acc.data() + (rr + 1) * D, acc_all + state(rr) * D);
         }
+        if (fused && u.scored) std::fill(scores + bg * nb, scores + (bg + 1) * nb, 0.f);
+        if (fused && u.scored && te > t0)
+          for (int64_t rr = 0; rr < rows; ++rr) {
+            const float lse = split_lse(&tb.m[rr], &tb.l[rr], 1, 1);
+            if (std::isfinite(lse)) add_row_mass(scores + bg * nb, bs + rr * nf, mcr + rr, nsc, lse, L, ch, f, sb);
+          }
       });
 
   // combine the splits per (request, KV head): output rows, then the scored rows' block sums
@@ -226,29 +255,19 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
       [&](int&, int64_t task) {
         const int64_t r = task / d.Hkv, g = task % d.Hkv;
         const int64_t ql = qsl[r + 1] - qsl[r], L = lens[r];
-        float* sc = scores + task * nb;
-        std::fill(sc, sc + nb, 0.f);
+        if (!fused || ql <= 0) std::fill(scores + task * nb, scores + (task + 1) * nb, 0.f);
         if (ql <= 0) return;
         const int64_t n = std::min<int64_t>(ql, num_queries);
-        const float* bs = bsum + task * nsc * nf;
+        const float* bs = fused ? nullptr : bsum + task * nsc * nf;
         for (int64_t i = 0; i < ql; ++i)
           for (int64_t hh = 0; hh < G; ++hh) {
             const int64_t idx = (qsl[r] + i) * Hq + g * G + hh;
             const float lse = combine_row(m_all + idx, l_all + idx, acc_all + idx * D, nsplit,
                                           nrow, D, outf + idx * D);
-            if (i < ql - n || !std::isfinite(lse)) continue;  // unscored, or a poisoned row: no mass
+            // unscored, a poisoned row (no mass), or scored by its unit already
+            if (fused || i < ql - n || !std::isfinite(lse)) continue;
             const int64_t rr = (i - (ql - n)) * G + hh;
-            const float* bsr = bs + rr * nf;
-            // one weight per chunk (the sums of a chunk are relative to its running max)
-            for (int64_t c = 0; c * ch < L; ++c) {
-              const float w = std::exp(mc[(task * nch + c) * nsc + rr] - lse);
-              if (!(w > 0.f)) continue;  // the row's max grew far past this chunk's: no mass
-              const int64_t j1 = std::min(ceil_div(L, f), (c + 1) * ch / f);
-              if (f == sb)
-                for (int64_t j = c * ch / f; j < j1; ++j) sc[j] += bsr[j] * w;
-              else
-                for (int64_t j = c * ch / f; j < j1; ++j) sc[j * f / sb] += bsr[j] * w;
-            }
+            add_row_mass(scores + task * nb, bs + rr * nf, mc + task * nch * nsc + rr, nsc, lse, L, ch, f, sb);
           }
       });
 }
@@ -291,16 +310,24 @@ std::tuple<at::Tensor, at::Tensor> paged_verify_attention_cpu(const at::Tensor& 
          value_cache.stride(1),
          value_cache.stride(2),
          value_cache.stride(3)};
-  // every row is written by the combine or stays zero (tokens past query_start_loc[R])
-  auto out32 = at::zeros({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));
-  auto scores = at::zeros({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
-  if (sh.R > 0 && sh.max_pages > 0 && sh.T > 0)
+  // Uninitialized: the kernel writes every score and every output row up to query_start_loc[R]
+  // (at::zeros of a large tensor fills with OpenMP, whose spinning workers then take the cores
+  // from this kernel's own threads).
+  auto out32 = at::empty({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));
+  auto scores = at::empty({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
+  const int64_t written = sh.R > 0 ? qsl[sh.R] : 0;  // rows past the last request's stay zero
+  std::fill(out32.data_ptr<float>() + written * sh.Hq * sh.D, out32.data_ptr<float>() + out32.numel(), 0.f);
+  if (!(sh.R > 0 && sh.max_pages > 0 && sh.T > 0)) {
+    out32.zero_();
+    scores.zero_();
+  } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_verify_attention", [&] {
       paged_verify_impl<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
                                   value_cache.data_ptr<scalar_t>(), btp, lens, qsl, sh.R, num_queries,
                                   static_cast<float>(scale), d, sb, out32.data_ptr<float>(),
                                   scores.data_ptr<float>());
     });
+  }
   if (q.scalar_type() == at::kFloat) return {out32, scores};
   return {out32.to(q.scalar_type()), scores};
 }
