@@ -117,10 +117,7 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
       for (int64_t i0 = 0; i0 < ql - n; i0 += qb) units.push_back({r, g, i0, std::min(i0 + qb, ql - n), false});
     }
   }
-  if (units.empty()) {  // no request has a query: no output row to write, no mass
-    std::fill(scores, scores + R * d.Hkv * nb, 0.f);
-    return;
-  }
+  if (units.empty()) return;  // no request has a query: no output row to write, no mass
   // Chunks of about kChunkTokens whole pages: a chunk's scores of every row stay in L1/L2 while
   // they are made, exponentiated, summed per page and multiplied by V (online softmax over chunks).
   const int64_t ch = std::max<int64_t>(1, kChunkTokens / ps) * ps;
@@ -241,7 +238,6 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
           l_all[state(rr)] = tb.l[rr];
           if (te > t0) std::copy(tb.acc.data() + rr * D, tb.acc.data() + (rr + 1) * D, acc_all + state(rr) * D);
         }
-        if (fused && u.scored) std::fill(scores + bg * nb, scores + (bg + 1) * nb, 0.f);
         if (fused && u.scored && te > t0)
           for (int64_t rr = 0; rr < rows; ++rr) {
             const float lse = split_lse(&tb.m[rr], &tb.l[rr], 1, 1);
@@ -255,7 +251,6 @@ void paged_verify_impl(const T* q, const T* kc, const T* vc, const int32_t* bt, 
       [&](int&, int64_t task) {
         const int64_t r = task / d.Hkv, g = task % d.Hkv;
         const int64_t ql = qsl[r + 1] - qsl[r], L = lens[r];
-        if (!fused || ql <= 0) std::fill(scores + task * nb, scores + (task + 1) * nb, 0.f);
         if (ql <= 0) return;
         const int64_t n = std::min<int64_t>(ql, num_queries);
         const float* bs = fused ? nullptr : bsum + task * nsc * nf;
@@ -310,17 +305,16 @@ std::tuple<at::Tensor, at::Tensor> paged_verify_attention_cpu(const at::Tensor& 
          value_cache.stride(1),
          value_cache.stride(2),
          value_cache.stride(3)};
-  // Uninitialized: the kernel writes every score and every output row up to query_start_loc[R]
-  // (at::zeros of a large tensor fills with OpenMP, whose spinning workers then take the cores
-  // from this kernel's own threads).
+  // Zeroed serially here, not with at::zeros: its OpenMP fill's spinning workers then take the
+  // cores from this kernel's own threads. The kernel writes every output row up to
+  // query_start_loc[R] and adds each scored row's mass to the zeroed scores.
   auto out32 = at::empty({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));
   auto scores = at::empty({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
-  const int64_t written = sh.R > 0 ? qsl[sh.R] : 0;  // rows past the last request's stay zero
+  std::fill(scores.data_ptr<float>(), scores.data_ptr<float>() + scores.numel(), 0.f);
+  const bool runs = sh.R > 0 && sh.max_pages > 0 && sh.T > 0;
+  const int64_t written = runs ? qsl[sh.R] : 0;  // rows past the last request's stay zero
   std::fill(out32.data_ptr<float>() + written * sh.Hq * sh.D, out32.data_ptr<float>() + out32.numel(), 0.f);
-  if (!(sh.R > 0 && sh.max_pages > 0 && sh.T > 0)) {
-    out32.zero_();
-    scores.zero_();
-  } else {
+  if (runs) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_verify_attention", [&] {
       paged_verify_impl<scalar_t>(q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
                                   value_cache.data_ptr<scalar_t>(), btp, lens, qsl, sh.R, num_queries,
