@@ -12,7 +12,8 @@ every vLLM process, ``VLLM_PLUGINS=""``), all methods in one invocation, one aft
 queries per request, vLLM's CPU_ATTN cache of ``--block-size`` pages, ``--layers`` distinct caches
 cycled so that the keys come from memory as in a forward): vLLM's own kernel
 (``cpu_attention_with_kv_cache``), that kernel plus ``paged_block_scores`` (the plugin before
-issue 32), and ``paged_verify_attention`` (output and scores in one pass), alternating, medians.
+issue 32), and ``paged_verify_attention`` (output and scores in one pass) with page scores and
+with the per-token scores token drafts select from (``score_block_size=1``), alternating, medians.
 
 Per (context, batch) cell: B prompts of ``context`` tokens of real text (``--document``, *Pride
 and Prejudice* by default: windows at different offsets, or with ``--prompt-style summarize``
@@ -227,7 +228,12 @@ def _verify_cost_cell(ctx, B, args, g):
         o, _ = ops.paged_verify_attention(q, key_cache_view(kv), value_cache_view(kv), bt, lens, qsl, nq, scale)
         out.copy_(o)
 
-    fns = {"vllm": stock, "vllm+paged_block_scores": two_pass, "paged_verify_attention": one_pass}
+    def one_pass_tokens(kv):
+        o, _ = ops.paged_verify_attention(q, key_cache_view(kv), value_cache_view(kv), bt, lens, qsl, nq, scale, 1)
+        out.copy_(o)
+
+    fns = {"vllm": stock, "vllm+paged_block_scores": two_pass, "paged_verify_attention": one_pass,
+           "paged_verify_attention (token scores)": one_pass_tokens}
     times = {k: [] for k in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():
@@ -239,7 +245,7 @@ def _verify_cost_cell(ctx, B, args, g):
 
 
 def verify_cost(args):
-    """Attention of one verification per layer, three ways (see the module docstring); prints and
+    """Attention of one verification per layer, four ways (see the module docstring); prints and
     writes ``verify_cost.jsonl`` / ``verify_cost.md`` under ``args.out``."""
     import torch
 
@@ -252,17 +258,21 @@ def verify_cost(args):
                          "threads": torch.get_num_threads(), "ms_per_layer": med})
             print(f"ctx {ctx:>5} B {B:>2}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items())
                   + f"; one pass / vllm {med['paged_verify_attention'] / med['vllm']:.2f}x, "
+                  f"token scores / vllm {med['paged_verify_attention (token scores)'] / med['vllm']:.2f}x, "
                   f"two passes / vllm {med['vllm+paged_block_scores'] / med['vllm']:.2f}x", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "verify_cost.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    lines = ["| context | batch | vLLM ms/layer | + paged_block_scores | paged_verify_attention | one pass / vLLM "
-             "| two passes / vLLM |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| context | batch | vLLM ms/layer | + paged_block_scores | paged_verify_attention | with token scores "
+             "| one pass / vLLM | with token scores / vLLM | two passes / vLLM |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         m = r["ms_per_layer"]
+        tok = m["paged_verify_attention (token scores)"]
         lines.append(f"| {r['context']} | {r['batch']} | {m['vllm']:.3f} | {m['vllm+paged_block_scores']:.3f} | "
-                     f"{m['paged_verify_attention']:.3f} | {m['paged_verify_attention'] / m['vllm']:.2f}x | "
+                     f"{m['paged_verify_attention']:.3f} | {tok:.3f} | "
+                     f"{m['paged_verify_attention'] / m['vllm']:.2f}x | {tok / m['vllm']:.2f}x | "
                      f"{m['vllm+paged_block_scores'] / m['vllm']:.2f}x |")
     head = (f"Attention of one verification per layer: SmolLM2 shapes (9 / 3 heads, D 64), fp32, {args.gamma + 1} "
             f"queries per request, block {args.block_size}, {args.layers} layer caches cycled, medians of "
