@@ -220,8 +220,7 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
   const int32_t* kk = kt.data_ptr<int32_t>();
   const int32_t* nc = nt.data_ptr<int32_t>();
   check_topk_values(op, kk, nc, B);
-  // -1 past each row's count, filled by the row's task (not at::full: a fill this large runs an
-  // OpenMP region whose spinning workers compete with the kernel's own helper threads)
+  // -1 past each row's count, filled by the row's task while it holds the row (one pass, not two)
   auto out = at::empty({B, H, max_k}, scores.options().dtype(at::kInt));
   if (max_k == 0 || B * H == 0) return out;
   const float* sp = scores.data_ptr<float>();

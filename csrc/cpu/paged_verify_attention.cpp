@@ -305,9 +305,8 @@ std::tuple<at::Tensor, at::Tensor> paged_verify_attention_cpu(const at::Tensor& 
          value_cache.stride(1),
          value_cache.stride(2),
          value_cache.stride(3)};
-  // Zeroed serially here, not with at::zeros: its OpenMP fill's spinning workers then take the
-  // cores from this kernel's own threads. The kernel writes every output row up to
-  // query_start_loc[R] and adds each scored row's mass to the zeroed scores.
+  // The kernel writes every output row up to query_start_loc[R] and adds each scored row's mass
+  // to the scores, zeroed here.
   auto out32 = at::empty({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));
   auto scores = at::empty({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
   std::fill(scores.data_ptr<float>(), scores.data_ptr<float>() + scores.numel(), 0.f);

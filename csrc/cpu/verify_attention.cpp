@@ -11,8 +11,8 @@
 // With one split per (batch, KV head) -- every thread already busy -- the task that
 // attended finishes its (batch, KV head) at once, from a per-thread block-sum buffer
 // that is partly still in its core's cache (block size 1 stores R floats per token);
-// otherwise phase 2 is a second parallel pass over (batch, KV head). No OpenMP region runs
-// (at::parallel_for, large at:: fills): its spinning workers would compete with the helpers.
+// otherwise phase 2 is a second parallel pass over (batch, KV head). Both run as tasks on
+// ATen's intra-op threads (parallel_tasks).
 // No [Q, S] probability matrix is formed. Source of the method: Vegas, arXiv 2602.07223.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -186,9 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_attention_cpu(
   const at::Tensor q = q_in.contiguous();
   auto out = at::empty({d.B, d.Q, d.Hq, d.D}, q.options());
   auto lse = at::empty({d.B, d.Hq, d.Q}, q.options().dtype(at::kFloat));
-  // not at::zeros: a fill this large runs an OpenMP region whose spinning workers then compete
-  // with the kernel's own helper threads (measured: block size 1 at 8K, 2 threads, 1.4-1.7x the
-  // time of block size 16); each (b, g) zeroes its blocks past its length itself.
+  // not at::zeros: each (b, g) zeroes its blocks past its length itself, while it holds them
   auto scores = at::empty({d.B, d.Hkv, ceil_div(d.S, block_size)}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "verify_attention_cpu", [&] {
     verify_impl<scalar_t>(q, k_cache, v_cache, lens, qw, d, block_size, scale, out, lse, scores);
