@@ -65,14 +65,21 @@ def cell(ctx: int, batch: int, queries: int, layers: int, repeats: int) -> dict:
             "in_context": (med["both"] - med["linears"]) / layers}
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 8000])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 8000], help="tokens per request")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16], help="requests")
     p.add_argument("--gamma", type=int, default=6, help="drafts verified per request (γ + 1 queries)")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--layers", type=int, default=30, help="layers in a row, each with its own cache")
+    p.add_argument("--repeats", type=int, default=9, help="rounds (medians)")
     args = p.parse_args(argv)
+    if min(args.contexts + args.batches) < 1 or args.gamma < 0 or args.layers < 1 or args.repeats < 1:
+        p.error("--contexts, --batches, --layers and --repeats must be >= 1, --gamma >= 0")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     print(f"{torch.get_num_threads()} threads, {args.layers} layers, γ + 1 = {args.gamma + 1} queries, "
           f"medians of {args.repeats}\n")
     print("| context | batch | linears ms (all layers) | attention alone ms/layer | in context ms/layer |")
