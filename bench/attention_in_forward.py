@@ -20,6 +20,7 @@ import time
 import torch
 
 from vegas_ext import ops
+from vegas_ext.vllm.cpu_layout import key_cache_view, value_cache_view
 
 HQ, HKV, D, PAGE = 9, 3, 64, 32
 LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M: qkv, o, gate+up, down
@@ -27,8 +28,7 @@ LINEARS = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M: qk
 
 def _views(kv):
     """Keys ``[D, page]`` then values ``[page, D]`` per (page, KV head), as vLLM's CPU_ATTN."""
-    nb, h, ps, d2 = kv.shape
-    return kv.view(nb, h, 2, d2 // 2, ps)[:, :, 0].transpose(2, 3), kv.view(nb, h, 2, ps, d2 // 2)[:, :, 1]
+    return key_cache_view(kv), value_cache_view(kv)
 
 
 def cell(ctx: int, batch: int, queries: int, layers: int, repeats: int) -> dict:

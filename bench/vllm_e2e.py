@@ -202,7 +202,7 @@ def _verify_cost_cell(ctx, B, args, g):
     from vllm import _custom_ops as vops
 
     from vegas_ext import ops
-    from vegas_ext.vllm.backend import key_cache_view, value_cache_view
+    from vegas_ext.vllm.cpu_layout import key_cache_view, value_cache_view
 
     Hq, Hkv, D, ps, nq = 9, 3, 64, args.block_size, args.gamma + 1
     scale = D ** -0.5
@@ -224,16 +224,13 @@ def _verify_cost_cell(ctx, B, args, g):
         stock(kv)
         ops.paged_block_scores(q, key_cache_view(kv), bt, lens, qsl, nq, scale)
 
-    def one_pass(kv):
-        o, _ = ops.paged_verify_attention(q, key_cache_view(kv), value_cache_view(kv), bt, lens, qsl, nq, scale)
-        out.copy_(o)
-
-    def one_pass_tokens(kv):
-        o, _ = ops.paged_verify_attention(q, key_cache_view(kv), value_cache_view(kv), bt, lens, qsl, nq, scale, 1)
+    def one_pass(kv, score_block_size=None):
+        o, _ = ops.paged_verify_attention(q, key_cache_view(kv), value_cache_view(kv), bt, lens, qsl, nq, scale,
+                                          score_block_size)
         out.copy_(o)
 
     fns = {"vllm": stock, "vllm+paged_block_scores": two_pass, "paged_verify_attention": one_pass,
-           "paged_verify_attention (token scores)": one_pass_tokens}
+           "paged_verify_attention (token scores)": lambda kv: one_pass(kv, 1)}
     times = {k: [] for k in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():

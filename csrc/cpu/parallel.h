@@ -52,14 +52,14 @@ void parallel_tasks(int64_t ntasks, int64_t work_per_task, Make make, Fn fn) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), ntasks);
   if (threads > 1 && parallel_grain(ntasks, work_per_task) == 1 && !at::in_parallel_region()) {
     std::atomic<int64_t> next{0};
-    // one range per thread (grain 1 over `threads` slots); tasks go to whichever thread is free
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    // `threads` slots at grain 1 start one range per thread; whichever range runs drains the
+    // shared counter, so tasks go to whichever thread is free and the range bounds are unused
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::unique_ptr<State> st;
-      for (int64_t slot = begin; slot < end; ++slot)
-        for (int64_t t; (t = next.fetch_add(1)) < ntasks;) {
-          if (!st) st = std::make_unique<State>(make());
-          fn(*st, t);
-        }
+      for (int64_t t; (t = next.fetch_add(1)) < ntasks;) {
+        if (!st) st = std::make_unique<State>(make());
+        fn(*st, t);
+      }
     });
     return;
   }

@@ -729,7 +729,7 @@ def paged_block_scores(
         q: ``[T, H_q, D]`` float32/bfloat16/float16, any strides.
         key_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, any strides (a view: vLLM's CPU
             cache stores each page's keys as ``[D, page_size]``, see
-            :func:`vegas_ext.vllm.backend.key_cache_view`; the flash layout ``[num_blocks,
+            :func:`vegas_ext.vllm.cpu_layout.key_cache_view`; the flash layout ``[num_blocks,
             page_size, H_kv, D]`` is ``.transpose(1, 2)``).
         block_table: ``[R, max_pages]`` int32, physical page of each logical page; only the first
             ``ceil(seq_lens[r] / page_size)`` entries of a request with queries are read.
@@ -1206,10 +1206,10 @@ def paged_verify_attention(
         q: ``[T, H_q, D]`` float32/bfloat16/float16, any strides.
         key_cache: ``[num_pages, H_kv, page_size, D]``, dtype of q, any strides. vLLM's CPU cache
             stores a page's keys ``[D, page_size]``: pass
-            :func:`vegas_ext.vllm.backend.key_cache_view` (the kernel reads tokens-contiguous
+            :func:`vegas_ext.vllm.cpu_layout.key_cache_view` (the kernel reads tokens-contiguous
             pages fastest).
         value_cache: same shape and dtype as ``key_cache``, any strides (vLLM's CPU cache: the V
-            half, ``[page_size, D]`` per page, :func:`vegas_ext.vllm.backend.value_cache_view`).
+            half, ``[page_size, D]`` per page, :func:`vegas_ext.vllm.cpu_layout.value_cache_view`).
         block_table: ``[R, max_pages]`` int32, physical page of each logical page; only the first
             ``ceil(seq_lens[r] / page_size)`` entries of a request with queries are read.
         seq_lens: ``[R]`` int32 in ``[q_len, max_pages * page_size]``, or a Python int for all.

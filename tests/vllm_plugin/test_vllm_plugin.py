@@ -29,7 +29,7 @@ def test_cpu_key_layout():
     import torch
     from vllm import _custom_ops as vops
 
-    from vegas_ext.vllm.backend import PLAIN_KEY_ISAS, key_cache_view, value_cache_view
+    from vegas_ext.vllm.cpu_layout import PLAIN_KEY_ISAS, key_cache_view, value_cache_view
 
     for isa in PLAIN_KEY_ISAS:
         for dt in (torch.float32, torch.bfloat16):

@@ -32,6 +32,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from .. import ops
+from .cpu_layout import key_cache_view, value_cache_view
 
 __all__ = ["VegasCPUAttentionBackend", "VegasCPUAttentionImpl", "VegasState", "attach_state",
            "draft_token_attention", "key_cache_view", "one_pass_applies", "record_scores", "value_cache_view"]
@@ -82,32 +83,6 @@ def attach_state(model: torch.nn.Module, state: VegasState) -> int:
             impl.vegas_state = state
             n += 1
     return n
-
-
-#: CPU attention ISAs whose key pages are stored ``[D, block_size]`` (checked by
-#: ``tests/vllm_plugin/test_vllm_plugin.py::test_cpu_key_layout`` against ``cpu_attn_reshape_and_cache``).
-PLAIN_KEY_ISAS = ("vec", "vec16")
-
-
-def key_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """Keys of a CPU_ATTN cache ``[num_blocks, H_kv, block_size, 2 * D]`` as a
-    ``[num_blocks, H_kv, block_size, D]`` view.
-
-    Each (block, head) holds ``block_size * D`` key elements then as many value elements
-    (``CPUAttentionBackendImpl`` splits ``[num_blocks, H_kv, 2 * block_size, D]`` in halves), and
-    ``cpu_attn_reshape_and_cache`` of the ``vec`` / ``vec16`` ISAs writes the keys transposed,
-    ``[D, block_size]``: element (token t, dim d) at offset ``d * block_size + t``."""
-    nb, h, bs, d2 = kv_cache.shape
-    return kv_cache.view(nb, h, 2, d2 // 2, bs)[:, :, 0].transpose(2, 3)
-
-
-def value_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """Values of a CPU_ATTN cache ``[num_blocks, H_kv, block_size, 2 * D]`` as a
-    ``[num_blocks, H_kv, block_size, D]`` view: the second half of each (block, head), stored
-    ``[block_size, D]`` by ``cpu_attn_reshape_and_cache`` (checked by
-    ``tests/vllm_plugin/test_vllm_plugin.py::test_cpu_key_layout``)."""
-    nb, h, bs, d2 = kv_cache.shape
-    return kv_cache.view(nb, h, 2, bs, d2 // 2)[:, :, 1]
 
 
 def _collecting(impl, attn_metadata) -> bool:

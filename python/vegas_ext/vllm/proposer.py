@@ -61,7 +61,8 @@ from .. import ops
 from ..selection import streaming_indices
 from ..speculation import IterationCosts, PerRequestGamma
 from . import draft_linears
-from .backend import GATHER_DRAFT_KV, PLAIN_KEY_ISAS, DraftKV, VegasState, attach_state, gather_draft_kv
+from .backend import GATHER_DRAFT_KV, DraftKV, VegasState, attach_state, gather_draft_kv
+from .cpu_layout import PLAIN_KEY_ISAS
 from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
 
 __all__ = ["VegasProposer"]
