@@ -195,7 +195,7 @@ def worker(args):
 
 
 def _verify_cost_cell(ctx, B, args, g):
-    """Median ms per layer of the three ways (see verify_cost) for one (context, batch) cell."""
+    """Median ms per layer of the four ways (see verify_cost) for one (context, batch) cell."""
     import statistics
 
     import torch
