@@ -306,10 +306,9 @@ std::tuple<at::Tensor, at::Tensor> paged_verify_attention_cpu(const at::Tensor& 
          value_cache.stride(2),
          value_cache.stride(3)};
   // The kernel writes every output row up to query_start_loc[R] and adds each scored row's mass
-  // to the scores, zeroed here.
+  // to the scores, which start at zero.
   auto out32 = at::empty({sh.T, sh.Hq, sh.D}, q.options().dtype(at::kFloat));
-  auto scores = at::empty({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
-  std::fill(scores.data_ptr<float>(), scores.data_ptr<float>() + scores.numel(), 0.f);
+  auto scores = at::zeros({sh.R, sh.Hkv, ceil_div(sh.max_pages * sh.page_size, sb)}, q.options().dtype(at::kFloat));
   const bool runs = sh.R > 0 && sh.max_pages > 0 && sh.T > 0;
   const int64_t written = runs ? qsl[sh.R] : 0;  // rows past the last request's stay zero
   std::fill(out32.data_ptr<float>() + written * sh.Hq * sh.D, out32.data_ptr<float>() + out32.numel(), 0.f);
