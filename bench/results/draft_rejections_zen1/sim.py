@@ -12,11 +12,10 @@ vegas, streaming, dense; vegas+layers@A-B (layers A..B-1 draft densely); vegas+d
 whose selection covers less than T of the verification's mass draft densely); vegas+fb@M (a draft
 step whose own top-2 logit margin is below M is run again with dense attention).
 """
-import copy, math, sys, time, json
+import copy, json, math, os, sys, time
 import torch, torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
-import os
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
 from vegas_ext.models import load_model
@@ -164,12 +163,9 @@ if __name__ == "__main__":
             extra = {}
             if ST["stats"]:
                 c = torch.stack(ST["stats"]).mean(0)  # [L, Hkv]
-                extra = dict(cov_mean=round(float(c.mean()), 3), cov_min=round(float(c.min()), 3),
-                             worst=[(int(i) // c.shape[1], int(i) % c.shape[1], round(float(c.flatten()[i]), 3))
-                                    for i in c.flatten().argsort()[:8]])
+                extra = dict(cov_mean=round(float(c.mean()), 3), cov_min=round(float(c.min()), 3))
             mg = torch.tensor(ST["margins"])
             extra.update(rej=ST["rej"], marg_med=round(float(mg.median()), 2), marg_q10=round(float(mg.quantile(0.1)), 3))
-            extra.pop("worst", None)
             if ST["steps"]:
                 extra["fb_frac"] = round(ST["fb"] / ST["steps"], 3)
             print(json.dumps(dict(row=i, variant=var, mal=round(sum(acc) / len(acc), 3), rounds=len(acc),
