@@ -156,7 +156,8 @@ def run_hf(model, ids, mask, max_new: int, pad_id: int, prefill_cache: Optional[
     kw = {}
     B, T = ids.shape
     pc = prefill_cache
-    from vegas_ext.decode import _cache_kwarg, prefill_cache_is_for
+    from vegas_ext.decode import _cache_kwarg
+    from vegas_ext.prefill_cache import prefill_cache_is_for
 
     if (pc and pc.get("ids") is not None and bool(mask.all()) and pc["ids"].shape == (B, T - 1)
             and torch.equal(pc["ids"], ids[:, :T - 1]) and prefill_cache_is_for(pc, model)):

@@ -1,6 +1,6 @@
 """generate(draft_weights=...): the draft forwards' linears read a low-precision copy of the weights
 (vegas_ext.draft_weights), the verification the model's own -- so greedy output stays plain greedy
-token for token, and sampling keeps the target distribution; the copy is cached on the model, remade
+token for token, and sampling keeps the target distribution; the copy is cached beside the model, remade
 when a weight changes, and the linears are restored after the call."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vegas_ext
-from vegas_ext import draft_weights as dwm
+from vegas_ext import draft_weights as dwm, model_state
 from vegas_ext.packed_linear import pack_linear_weights
 
 from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
@@ -74,11 +74,11 @@ def test_copy_is_cached_and_remade_after_a_weight_edit():
     model = make_model("llama", seed=7)
     ids, mask = make_prompts(model.config.vocab_size, [30], seed=8)
     vegas_ext.generate(model, ids, mask, max_new_tokens=8, eos_token_id=[], draft_weights="fp16", **KW)
-    dw = model._vegas_draft_weights
+    dw = model_state.get(model, "draft_weights")
     lin = model.model.layers[0].mlp.down_proj
     before = dw._copies[id(lin)].weight
     vegas_ext.generate(model, ids, mask, max_new_tokens=8, eos_token_id=[], draft_weights="fp16", **KW)
-    assert model._vegas_draft_weights is dw and dw._copies[id(lin)].weight is before  # reused
+    assert model_state.get(model, "draft_weights") is dw and dw._copies[id(lin)].weight is before  # reused
     with torch.no_grad():
         lin.weight.mul_(-1.5)  # in place: the version counter moves
     ref = hf_greedy(model, ids, mask, 16, eos_token_id=[])
@@ -88,14 +88,14 @@ def test_copy_is_cached_and_remade_after_a_weight_edit():
     assert now is not before and torch.equal(now, lin.weight.detach().half())
     # another kind replaces the cached one
     vegas_ext.generate(model, ids, mask, max_new_tokens=4, eos_token_id=[], draft_weights="int8", **KW)
-    assert model._vegas_draft_weights.kind == "int8"
+    assert model_state.get(model, "draft_weights").kind == "int8"
 
 
 def test_plain_decoding_makes_no_copy():
     model = make_model("llama", seed=9)
     ids, mask = make_prompts(model.config.vocab_size, [20], seed=9)
     out = vegas_ext.generate(model, ids, mask, max_new_tokens=6, sparse_attn_algorithm="full", draft_weights="int8")
-    assert out.stats["draft_weights_bytes"] == 0 and "_vegas_draft_weights" not in model.__dict__
+    assert out.stats["draft_weights_bytes"] == 0 and model_state.get(model, "draft_weights") is None
 
 
 @pytest.mark.parametrize("bad", ["int4", "bf16", "INT8", True, 8])

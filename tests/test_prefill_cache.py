@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vegas_ext
-from vegas_ext.decode import prefill_cache_is_for
+from vegas_ext.prefill_cache import prefill_cache_is_for
 
 from decode_utils import first_diff, hf_greedy, make_model, one_thread  # noqa: F401
 
@@ -174,3 +174,82 @@ def test_prefill_cache_is_not_reused_after_a_weight_became_another_view_of_its_s
     out = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
     assert not out.stats["prefill_reused"]
     assert torch.equal(out.sequences, hf_greedy(m, ids, mask, 8, eos_token_id=[]))
+
+
+# --------------------------------------------------------------------------- case 014: inference tensors, enums
+def _edit_in_place(m, how):
+    """Edit every layer's v_proj in place (the prefill's V changes), as a server would."""
+    ws = [layer.self_attn.v_proj.weight for layer in m.model.layers]
+    with torch.inference_mode():
+        if how == "mul_":
+            for w in ws:
+                w.mul_(-3.0)
+        elif how == "load_state_dict":
+            m.load_state_dict({k: v.clone() * (-3.0 if k.endswith("v_proj.weight") else 1.0)
+                               for k, v in m.state_dict().items()})
+        else:  # a merge of a low-rank delta: w += b @ a
+            g = torch.Generator().manual_seed(3)
+            for w in ws:
+                w.add_(torch.randn(w.shape[0], 4, generator=g) @ torch.randn(4, w.shape[1], generator=g))
+
+
+@pytest.mark.parametrize("how", ["mul_", "load_state_dict", "merge"])
+def test_prefill_cache_is_never_reused_over_inference_tensor_weights(how):
+    """An inference tensor has no version counter: an in-place edit of it cannot be seen, so such a
+    model never reuses a prefill (it used to reuse a stale one: wrong tokens)."""
+    with torch.inference_mode():  # as servers load weights
+        m, ids, mask = _case_model_and_prompts()
+    assert m.model.layers[0].self_attn.k_proj.weight.is_inference()
+    pc = {}
+    first = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not first.stats["prefill_reused"] and "inference tensor" in first.stats["prefill_miss"]
+    _edit_in_place(m, how)
+    out = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not out.stats["prefill_reused"] and "inference tensor" in out.stats["prefill_miss"]
+    assert "inference_mode" in out.stats["prefill_miss"]  # the remedy
+    ref = hf_greedy(m, ids, mask, 8, eos_token_id=[])
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    assert not torch.equal(ref, first.sequences)  # the edit does change the tokens
+
+
+class _Mode(__import__("enum").Flag):
+    INFERENCE = 1
+    TRAINING = 2
+
+
+@pytest.mark.parametrize("value", ["kernels", "flag", "enum_in_dict"])
+def test_prefill_cache_is_reused_with_enum_and_flag_attributes(value):
+    """transformers 5.25 with the ``kernels`` package sets ``model._kernels_mode`` to a
+    ``kernels.Mode`` flag: a value, which must not block reuse (it used to, on every call)."""
+    m, ids, mask = _case_model_and_prompts()
+    if value == "kernels":
+        kernels = pytest.importorskip("kernels")  # a fresh install has it (transformers pulls it in)
+        m._kernels_mode = kernels.Mode.INFERENCE
+    elif value == "flag":
+        m._kernels_mode = _Mode.INFERENCE
+    else:
+        m.model.layers[0].modes = {"attn": _Mode.INFERENCE}
+    pc = {}
+    vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    again = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert again.stats["prefill_reused"] and again.stats["prefill_miss"] is None
+    m._kernels_mode = _Mode.TRAINING  # another value: another function, as far as we can tell
+    changed = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not changed.stats["prefill_reused"] and changed.stats["prefill_miss"] == "model changed: modules"
+
+
+@pytest.mark.slow
+def test_prefill_cache_is_reused_on_the_embedded_model_as_loaded():
+    """The embedded model as ``load_model()`` returns it on a fresh install (packed linears, the
+    ``kernels`` mode where transformers sets it): the second call copies the prefill."""
+    from vegas_ext import models
+
+    m, tok = models.load_model()
+    ids = tok(["The quick brown fox jumps over the lazy dog. " * 8], return_tensors="pt").input_ids
+    pc = {}
+    kw = dict(max_new_tokens=4, num_speculative_tokens=2, prefill_cache=pc)
+    first = vegas_ext.generate(m, ids, **kw)
+    again = vegas_ext.generate(m, ids, **kw)
+    assert first.stats["prefill_miss"] == "empty"
+    assert again.stats["prefill_reused"] and again.stats["prefill_miss"] is None
+    assert torch.equal(first.sequences, again.sequences)

@@ -7,7 +7,8 @@ verification's own attention mass.
 Ops (``torch.ops.vegas.*``, typed wrappers in :mod:`vegas_ext.ops`):
 :func:`verify_attention`, :func:`block_topk`, :func:`sparse_draft_attention`.
 Decoding: :func:`generate` (returns a :class:`GenerateOutput`). CPU speed: :func:`pack_linear_weights`
-(the model's fp32 linears on weights packed once for oneDNN).
+(the model's fp32 linears on weights packed once for oneDNN). :func:`release` drops every cache
+kept for a model (draft weight copies, packed copies; :mod:`vegas_ext.model_state`).
 
 Importing the package loads torch and the compiled ops, so every ``torch.ops.vegas.*`` op is
 callable right after ``import vegas_ext`` (the convention of PyTorch C++ extensions). transformers
@@ -32,6 +33,7 @@ _EXPORTS = {
     "GenerateOutput": "decode",
     "pack_linear_weights": "packed_linear",
     "unpack_linear_weights": "packed_linear",
+    "release": "model_state",
 }
 # submodules loaded on first use (the ops are loaded above)
 _TORCH_SUBMODULES = {"reference", "cache", "hf", "decode", "selection"}
@@ -39,7 +41,7 @@ _TORCH_SUBMODULES = {"reference", "cache", "hf", "decode", "selection"}
 _NEEDS_ALL_ALGORITHMS = {"generate", "GenerateOutput", "decode", "selection"}
 
 __all__ = ["ops", "reference", "verify_attention", "block_topk", "sparse_draft_attention", "generate",
-           "GenerateOutput", "pack_linear_weights", "unpack_linear_weights", "__version__"]
+           "GenerateOutput", "pack_linear_weights", "unpack_linear_weights", "release", "__version__"]
 
 
 def __getattr__(name):

@@ -20,10 +20,13 @@ low-precision draft). On CPU the copies run through :func:`vegas_ext.ops.weight_
 CUDA both options map to a float16 copy through ``F.linear`` (no new kernel there).
 
 Mechanics: every ``nn.Linear`` of the model (including :class:`~vegas_ext.packed_linear.PackedLinear`
-and the output layer) gets a low-precision copy, made once and cached on the model
-(``model._vegas_draft_weights``, one kind at a time); a copy is remade when its source weight or
-bias is replaced (another tensor object) or changed in place (version counter or storage address;
-writes into ``param.data`` in place bypass both and are not seen). While :meth:`DraftWeights.installed`
+and the output layer) gets a low-precision copy, made once and cached beside the model
+(:mod:`vegas_ext.model_state`: weakly, so the model still pickles, saves and is freed as before;
+one kind at a time; ``vegas_ext.release(model)`` drops it); a copy is remade when its source weight
+or bias is replaced (another tensor object) or changed in place (version counter or storage address;
+writes into ``param.data`` in place and in-place edits of inference tensors bypass both and are not
+seen: call ``vegas_ext.release(model)`` after such edits; the output stays exact either way, only
+the acceptance of drafts would suffer). While :meth:`DraftWeights.installed`
 is entered, each linear's ``forward`` is wrapped by a function that takes the copy only inside
 :meth:`DraftWeights.active` (a per-thread context flag), else calls the original forward.
 """
@@ -40,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import ops as _ops  # noqa: F401  (loads the compiled torch.ops.vegas.weight_only_linear)
+from . import model_state, ops as _ops  # ops: loads the compiled torch.ops.vegas.weight_only_linear
 from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "DraftWeights", "check_draft_weights", "draft_weights_for",
-           "quantize_int8", "weight_copy"]
+           "quantize_int8", "weight_copy", "wrapped_for_drafts"]
 
 #: Weights per int8 scale along the input dimension (a multiple of 16, the kernel's vector).
 INT8_GROUP_SIZE = 64
@@ -53,6 +56,8 @@ INT8_GROUP_SIZE = 64
 #: The :class:`DraftWeights` whose copies the wrapped linears use on this thread (None: the originals).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_active", default=None)
 _INSTALL_LOCK = threading.Lock()
+#: id(module) -> (number of installed() users, the module's own ``forward`` entry before wrapping)
+_INSTALLED: Dict[int, Tuple[int, object]] = {}
 _CPU_KERNEL = _ops.has_compiled_kernel("weight_only_linear", "cpu")
 
 
@@ -193,7 +198,7 @@ class DraftWeights:
         if kind is None:
             raise ValueError("draft_weights: a DraftWeights needs 'fp16' or 'int8', got None")
         self.kind = kind
-        self._model_ref = model
+        self._model_ref = weakref.ref(model)  # weak: this object is cached beside the model (model_state)
         self._copies: Dict[int, _Copy] = {}
         self._fused: Dict[tuple, _Fused] = {}
         self.build_s = 0.0
@@ -202,14 +207,16 @@ class DraftWeights:
     # ------------------------------------------------------------------ copies
     def linears(self):
         """The modules whose forwards take the copy: every ``nn.Linear`` and ``PackedLinear``
-        with a 2-D floating-point weight (each module once)."""
+        with a 2-D floating-point weight (each module once), except those whose weight is on the
+        meta device (offloaded by accelerate, whose hooks load it in the module's own forward)."""
         from .packed_linear import PackedLinear
 
         seen = set()
-        for m in self._model_ref.modules():
+        model = self._model_ref()
+        for m in (() if model is None else model.modules()):
             if (isinstance(m, (nn.Linear, PackedLinear)) and id(m) not in seen
                     and isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2
-                    and m.weight.is_floating_point()):
+                    and m.weight.is_floating_point() and not m.weight.is_meta):
                 seen.add(id(m))
                 yield m
 
@@ -241,7 +248,8 @@ class DraftWeights:
         input size, kind or bias presence stay apart."""
         live = {id(m) for m in mods}
         self._fused = {k: f for k, f in self._fused.items() if f.valid(self) and all(i in live for i in k)}
-        for parent in self._model_ref.modules():
+        model = self._model_ref()
+        for parent in (() if model is None else model.modules()):
             for names in _FUSED_GROUPS:
                 members = [getattr(parent, n, None) for n in names]
                 if any(not isinstance(m, nn.Module) or id(m) not in live for m in members):
@@ -273,15 +281,23 @@ class DraftWeights:
             return "fp16"
         return f"int8-g{INT8_GROUP_SIZE}" if devs == {"cpu"} else f"int8-g{INT8_GROUP_SIZE} (cpu) / fp16 (cuda)"
 
+    def copy_of(self, mod: nn.Module) -> Optional["_Copy"]:
+        """The current low-precision copy of ``mod``'s weight (remade first if its weight or bias
+        changed since), or ``None`` for a module without one. Attributes: ``weight`` (the copy,
+        ``[N, K]``: float16, or int8 with ``scales`` ``[N, K / INT8_GROUP_SIZE]`` float32) and
+        ``bias`` (float32 on CPU, or ``None``)."""
+        c = self._copies.get(id(mod))
+        if c is not None and not c.fresh(mod):
+            with torch.no_grad():
+                c = self._copies[id(mod)] = _Copy(mod, self.kind)
+        return c
+
     def linear(self, mod: nn.Module, x: Tensor, original) -> Tensor:
         """``mod(x)`` on the low-precision copy of ``mod``'s weight (``original(x)`` for a module
         without one)."""
-        c = self._copies.get(id(mod))
+        c = self.copy_of(mod)  # remade if edited or replaced since
         if c is None:
             return original(x)
-        if not c.fresh(mod):  # edited or replaced since the copy
-            with torch.no_grad():
-                c = self._copies[id(mod)] = _Copy(mod, self.kind)
         if c.weight.device.type == "cuda":
             return F.linear(x.to(torch.float16), c.weight, c.bias).to(x.dtype)
         xf = x if x.dtype == torch.float32 else x.float()
@@ -295,29 +311,28 @@ class DraftWeights:
     def installed(self):
         """Wrap each linear's ``forward`` for the duration (nesting and threads share one wrapper
         per module, removed when the last user leaves); the wrapper calls the original forward
-        unless :meth:`active` is entered on the calling thread."""
+        unless :meth:`active` is entered on the calling thread. The count of users and the saved
+        ``forward`` are kept here (``_INSTALLED``), not on the modules."""
         mods = list(self.linears())
         with _INSTALL_LOCK:
             for m in mods:
-                users = m.__dict__.get("_vegas_dw_users", 0)
+                users, saved = _INSTALLED.get(id(m), (0, None))
                 if users == 0:
-                    m.__dict__["_vegas_dw_saved_forward"] = m.__dict__.get("forward")
+                    saved = m.__dict__.get("forward")
                     m.__dict__["forward"] = _wrapped_forward(m, m.forward)
-                m.__dict__["_vegas_dw_users"] = users + 1
+                _INSTALLED[id(m)] = (users + 1, saved)
         try:
             yield self
         finally:
             with _INSTALL_LOCK:
                 for m in mods:
-                    users = m.__dict__.get("_vegas_dw_users", 1) - 1
-                    m.__dict__["_vegas_dw_users"] = users
-                    if users == 0:
-                        saved = m.__dict__.pop("_vegas_dw_saved_forward", None)
-                        del m.__dict__["_vegas_dw_users"]
-                        if saved is None:
-                            m.__dict__.pop("forward", None)
-                        else:
-                            m.__dict__["forward"] = saved
+                    users, saved = _INSTALLED.pop(id(m), (1, None))
+                    if users > 1:
+                        _INSTALLED[id(m)] = (users - 1, saved)
+                    elif saved is None:
+                        m.__dict__.pop("forward", None)
+                    else:
+                        m.__dict__["forward"] = saved
 
     @contextlib.contextmanager
     def active(self):
@@ -330,28 +345,40 @@ class DraftWeights:
 
 
 def _wrapped_forward(mod: nn.Module, original):
+    ref = weakref.ref(mod)  # the wrapper lives in mod.__dict__: no cycle through its closure
+
     def forward(x, *args, **kwargs):
         dw = _ACTIVE.get()
-        if dw is None or args or kwargs:
+        m = ref()
+        if dw is None or args or kwargs or m is None:
             return original(x, *args, **kwargs)
-        return dw.linear(mod, x, original)
+        return dw.linear(m, x, original)
 
+    forward.vegas_draft_weights_wrapper = True
     return forward
+
+
+def wrapped_for_drafts(mod: nn.Module) -> bool:
+    """Whether ``mod.forward`` is the wrapper :meth:`DraftWeights.installed` put there (it calls
+    the module's own forward outside :meth:`DraftWeights.active`)."""
+    return getattr(mod.__dict__.get("forward"), "vegas_draft_weights_wrapper", False)
 
 
 def draft_weights_for(model: nn.Module, draft_weights) -> Optional[DraftWeights]:
     """The cached :class:`DraftWeights` of ``model`` for ``draft_weights`` (``None`` -> ``None``),
     made on first use and refreshed where weights changed since; one kind is cached at a time
-    (asking for another kind replaces it, freeing the old copy). ``ValueError`` names
-    ``draft_weights`` for a value outside :data:`DRAFT_WEIGHTS` or ``"int4"``."""
+    (asking for another kind replaces it, freeing the old copy). The cache lives in
+    :mod:`vegas_ext.model_state` (weakly keyed: nothing on the model; ``vegas_ext.release(model)``
+    drops it). ``ValueError`` names ``draft_weights`` for a value outside :data:`DRAFT_WEIGHTS` or
+    ``"int4"``."""
     check_draft_weights(draft_weights)
     if draft_weights is None:
         return None
-    cached = model.__dict__.get("_vegas_draft_weights")
+    cached = model_state.get(model, "draft_weights")
     if cached is not None and cached.kind == draft_weights:
         cached.refresh()
         return cached
-    model.__dict__["_vegas_draft_weights"] = None  # free the old kind before converting
+    model_state.pop(model, "draft_weights")  # free the old kind before converting
     dw = DraftWeights(model, draft_weights)
-    model.__dict__["_vegas_draft_weights"] = dw
+    model_state.put(model, "draft_weights", dw)
     return dw

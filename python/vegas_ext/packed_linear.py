@@ -126,7 +126,7 @@ class PackedLinear(nn.Module):
     """
 
     #: Attributes that cache or count, never change the output (the pack follows the weight): the
-    #: prefill cache's fingerprint (:func:`vegas_ext.decode._model_fingerprint`) skips them.
+    #: prefill cache's fingerprint (:func:`vegas_ext.prefill_cache.fingerprint`) skips them.
     function_independent_attrs = ("_pack", "_pack_lock", "repacks")
 
     def __init__(self, linear: nn.Linear, min_rows: int = PACKED_MIN_ROWS):
