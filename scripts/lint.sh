@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Lint: ruff over the Python (pyproject.toml's [tool.ruff]) and clang-format over csrc/
-# (.clang-format), both as checks that change nothing; exits non-zero on any finding.
+# (.clang-format), both as checks that change nothing, and scripts/check_results_cited.py (every
+# file under bench/results/ cited, at most 150 of them); exits non-zero on any finding.
 #   bash scripts/lint.sh            # both
-#   bash scripts/lint.sh --python   # ruff only;  --cpp: clang-format only
+#   bash scripts/lint.sh --python   # ruff and the results check;  --cpp: clang-format only
 #   bash scripts/lint.sh --fix      # apply ruff's safe fixes and clang-format in place
 # ruff and clang-format come from PATH, or else are installed from PyPI (the pinned versions
 # below) into $LINT_HOME (default ~/.cache/vegas_ext-lint), outside any project venv.
@@ -42,6 +43,8 @@ if [ "$what" != cpp ]; then
   RUFF=$(tool ruff "ruff==$RUFF_VERSION")
   echo "== ruff $($RUFF --version | cut -d' ' -f2)"
   if [ "$fix" = 1 ]; then $RUFF check --fix . || rc=1; else $RUFF check . || rc=1; fi
+  echo "== bench/results citations"
+  "$PY" scripts/check_results_cited.py || rc=1
 fi
 if [ "$what" != python ]; then
   CLANG_FORMAT=$(tool clang-format "clang-format==$CLANG_FORMAT_VERSION")
