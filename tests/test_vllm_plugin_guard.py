@@ -175,7 +175,7 @@ def test_complete_fake_installs_the_hooks(fake_vllm, caplog, monkeypatch):
     assert _warnings(caplog) == []
     assert _patches._INSTALLED
     assert registered == [("CPU_ATTN", "vegas_ext.vllm.backend.VegasCPUAttentionBackend")]
-    assert getattr(fake.EngineArgs.create_speculative_config, "_vegas_wrapped", False)
+    assert _patches._OUR_WRAPPERS.get(fake.EngineArgs.create_speculative_config) == "hook"
 
 
 def test_failure_while_hooking_is_undone(fake_vllm, caplog, monkeypatch):
@@ -200,7 +200,8 @@ def test_failure_while_hooking_is_undone(fake_vllm, caplog, monkeypatch):
     assert Runner.__dict__.get("propose_draft_token_ids") is before[2]
     assert before[0] is None  # inherited from FakeEngineArgs; the guard now wraps that one
     guard = fake.EngineArgs.create_speculative_config
-    assert guard._vegas_guard and guard.__wrapped__ is FakeEngineArgs.create_speculative_config
+    assert _patches._OUR_WRAPPERS.get(guard) == "guard"
+    assert guard.__wrapped__ is FakeEngineArgs.create_speculative_config
     with pytest.raises(vv.UnsupportedVllmError, match="registry changed"):
         fake.EngineArgs(VEGAS_SPEC).create_speculative_config(1, 2)
 

@@ -1,11 +1,12 @@
-"""What vegas_ext keeps per model, held beside the model rather than on it.
+"""What vegas_ext keeps per model (or per tensor), held beside the object rather than on it.
 
-One mechanism for every per-model cache (the draft weights' low-precision copies today; the packed
-linears' copies are reached through :func:`release` too): a table keyed by the model's identity that
-refers to the model only weakly. So a call of :func:`vegas_ext.generate` never changes what the
-model can do afterwards: ``pickle``, ``torch.save(model)`` and ``copy.deepcopy`` see no state of
-ours (a copy makes its own on first use), and the model is freed by reference counting when its
-last reference goes, its cached state with it (no ``gc.collect()`` needed). Values stored here
+One mechanism for every per-object cache (the draft weights' low-precision copies of a model, the
+vLLM plugin's draft copy of a weight; the packed linears' copies are reached through :func:`release`
+too): a table keyed by the object's identity that refers to it only weakly. So a call of
+:func:`vegas_ext.generate` never changes what the model can do afterwards: ``pickle``,
+``torch.save(model)`` and ``copy.deepcopy`` see no state of ours (a copy makes its own on first
+use), and the model is freed by reference counting when its last reference goes, its cached state
+with it (no ``gc.collect()`` needed). Values stored here
 must not refer back to the model strongly (use :func:`weakref.ref`), or the model would keep
 itself alive through this table.
 
@@ -27,7 +28,7 @@ _TABLE: Dict[int, Tuple[weakref.ref, Dict[str, Any]]] = {}
 _LOCK = threading.Lock()
 
 
-def _entry(model: nn.Module, create: bool):
+def _entry(model: Any, create: bool):
     key = id(model)
     e = _TABLE.get(key)
     if e is not None and e[0]() is model:
@@ -46,20 +47,21 @@ def _entry(model: nn.Module, create: bool):
     return d
 
 
-def get(model: nn.Module, name: str, default: Any = None) -> Any:
-    """The value stored for ``model`` under ``name``, else ``default``."""
+def get(model: Any, name: str, default: Any = None) -> Any:
+    """The value stored for ``model`` (a module, or any object that takes weak references, such as
+    a tensor) under ``name``, else ``default``."""
     with _LOCK:
         d = _entry(model, create=False)
         return default if d is None else d.get(name, default)
 
 
-def put(model: nn.Module, name: str, value: Any) -> None:
+def put(model: Any, name: str, value: Any) -> None:
     """Store ``value`` for ``model`` under ``name`` (``value`` must refer to ``model`` only weakly)."""
     with _LOCK:
         _entry(model, create=True)[name] = value
 
 
-def pop(model: nn.Module, name: str, default: Any = None) -> Any:
+def pop(model: Any, name: str, default: Any = None) -> Any:
     """Remove and return the value stored for ``model`` under ``name`` (``default`` if none)."""
     with _LOCK:
         d = _entry(model, create=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import weakref
 from typing import Any, List, Optional, Tuple
 
 from .compat import SUPPORTED_RANGE, UnsupportedVllmError, unsupported_message, unsupported_reason, version_supported
@@ -18,11 +19,14 @@ from .options import (
     SUPPORTED_MODEL_TYPES,
     VegasOptions,
     check_num_speculative_tokens,
+    is_vegas_spec,
 )
 
 _INSTALLED = False
 _GUARD_MESSAGE: Optional[str] = None  # set once the guard replaced the hooks in this process
 _MISSING = object()
+#: The functions this module put in vLLM's place -> their role ("guard" or "hook"); never wrapped twice
+_OUR_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Undo:
@@ -48,12 +52,6 @@ class _Undo:
 def cuda_allowed() -> bool:
     """``VEGAS_VLLM_ALLOW_CUDA=1``: enable the experimental, never GPU-run FLASH_ATTN path."""
     return os.environ.get("VEGAS_VLLM_ALLOW_CUDA", "0") == "1"
-
-
-def is_vegas_spec(spec) -> bool:
-    """Whether a ``SpeculativeConfig`` (or ``None``) selects the Vegas proposer."""
-    return (spec is not None and getattr(spec, "method", None) == "custom_class"
-            and getattr(spec, "model", None) == PROPOSER_PATH)
 
 
 def _check_target(target_model_config, target_parallel_config) -> None:
@@ -101,7 +99,7 @@ def install_guard(message: str) -> bool:
         orig = EngineArgs.create_speculative_config
     except Exception:
         return False
-    if getattr(orig, "_vegas_guard", False):
+    if orig in _OUR_WRAPPERS:
         return True
 
     @functools.wraps(orig)
@@ -111,7 +109,7 @@ def install_guard(message: str) -> bool:
             raise UnsupportedVllmError(message)
         return orig(self, *args, **kwargs)
 
-    create_speculative_config._vegas_guard = True
+    _OUR_WRAPPERS[create_speculative_config] = "guard"
     EngineArgs.create_speculative_config = create_speculative_config
     return True
 
@@ -135,7 +133,7 @@ def _wrap_create_speculative_config(EngineArgs, undo: _Undo) -> None:
             self.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: merged}
         return orig(self, target_model_config, target_parallel_config)
 
-    create_speculative_config._vegas_wrapped = True
+    _OUR_WRAPPERS[create_speculative_config] = "hook"
     undo.set(EngineArgs, "create_speculative_config", create_speculative_config)
 
 

@@ -23,19 +23,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Dict, Optional
 
 import torch
 
-from .. import ops
+from .. import model_state, ops
 from ..draft_weights import INT8_GROUP_SIZE, weight_copy
 from ..packed_linear import tensor_key
+from .options import ADDITIONAL_CONFIG_KEY, VegasOptions, is_vegas_spec
 
 __all__ = ["copies", "drafting", "requested_kind", "wrap_dispatch"]
 
 _ACTIVE = False
 #: layers given a copy in this process, their bytes, and linear calls that read a copy
 _STATS: Dict[str, int] = {"linears": 0, "bytes": 0, "calls": 0}
+#: The dispatch wrappers this module made (one is never wrapped again)
+_OUR_WRAPPERS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def copies() -> Dict[str, int]:
@@ -59,9 +63,6 @@ def drafting():
 def requested_kind(vllm_config) -> Optional[str]:
     """``"int8"`` / ``"fp16"`` when ``vllm_config`` is a Vegas engine whose drafter asks for
     low-precision weights, else ``None``."""
-    from ._patches import is_vegas_spec
-    from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
-
     if vllm_config is None or not is_vegas_spec(getattr(vllm_config, "speculative_config", None)):
         return None
     extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
@@ -72,11 +73,11 @@ def _make_copy(weight: torch.Tensor, kind: str):
     """``(weight copy, scales or None)``, made once per parameter: a tied output embedding shares
     its parameter (and so its copy) with the input embedding, which vLLM dispatches too."""
     key = (kind, tensor_key(weight))  # weights reloaded in place get a new copy
-    made = getattr(weight, "_vegas_draft_copy", None)
+    made = model_state.get(weight, "vllm_draft_copy")  # beside the tensor, weakly keyed
     if made is not None and made[0] == key:
         return made[1:]
     copy = weight_copy(weight, kind)
-    weight._vegas_draft_copy = (key, *copy)
+    model_state.put(weight, "vllm_draft_copy", (key, *copy))
     _STATS["bytes"] += copy[0].numel() * copy[0].element_size() + (0 if copy[1] is None else copy[1].numel() * 4)
     return copy
 
@@ -97,7 +98,7 @@ def _wrap_cpu_linear(layer, original, weight: torch.Tensor, scales: Optional[tor
 def wrap_dispatch(original):
     """``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` that first copies the layer's 2-D
     weight for the drafter when the engine being loaded asks for it (see module)."""
-    if getattr(original, "_vegas_draft_weights", False):
+    if original in _OUR_WRAPPERS:
         return original
 
     try:
@@ -118,5 +119,5 @@ def wrap_dispatch(original):
             _wrap_cpu_linear(layer, layer.cpu_linear, *copy)
         return out
 
-    dispatch_cpu_unquantized_gemm._vegas_draft_weights = True
+    _OUR_WRAPPERS.add(dispatch_cpu_unquantized_gemm)
     return dispatch_cpu_unquantized_gemm

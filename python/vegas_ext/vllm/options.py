@@ -8,6 +8,12 @@ from .. import config
 
 #: Dotted path of the proposer class that vLLM's ``custom_class`` method builds.
 PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
+
+
+def is_vegas_spec(spec) -> bool:
+    """Whether a ``SpeculativeConfig`` (or ``None``) selects the Vegas proposer."""
+    return (spec is not None and getattr(spec, "method", None) == "custom_class"
+            and getattr(spec, "model", None) == PROPOSER_PATH)
 #: Key of the Vegas options inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
