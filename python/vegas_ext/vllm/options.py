@@ -8,12 +8,6 @@ from .. import config
 
 #: Dotted path of the proposer class that vLLM's ``custom_class`` method builds.
 PROPOSER_PATH = "vegas_ext.vllm.proposer.VegasProposer"
-
-
-def is_vegas_spec(spec) -> bool:
-    """Whether a ``SpeculativeConfig`` (or ``None``) selects the Vegas proposer."""
-    return (spec is not None and getattr(spec, "method", None) == "custom_class"
-            and getattr(spec, "model", None) == PROPOSER_PATH)
 #: Key of the Vegas options inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "vegas"
 #: Keys of ``speculative_config`` that the plugin moves into ``additional_config``.
@@ -32,6 +26,12 @@ _PREFIX = "vegas_ext.vllm: "
 #: The plugin's names in messages; ``num_sink_pages`` is the loop's ``num_sink_blocks`` (a page is
 #: one of vLLM's KV cache blocks).
 _LABELS = {**{k: _PREFIX + k for k in OPTION_KEYS}, "num_sink_blocks": _PREFIX + "num_sink_pages"}
+
+
+def is_vegas_spec(spec) -> bool:
+    """Whether a ``SpeculativeConfig`` (or ``None``) selects the Vegas proposer."""
+    return (spec is not None and getattr(spec, "method", None) == "custom_class"
+            and getattr(spec, "model", None) == PROPOSER_PATH)
 
 
 def check_num_speculative_tokens(g: Any) -> int:
