@@ -1,9 +1,11 @@
 """Typed Python wrappers and fake (meta) kernels of the ``torch.ops.vegas`` ops.
 
-One registry: the schemas are in ``csrc/registration.cpp``; CPU kernels in
-``csrc/cpu/<op>.cpp``; CUDA kernels in ``csrc/cuda/<op>.cu``; references in
-:mod:`vegas_ext.reference`. Method: Vegas, "Self-Speculative Decoding with
-Verification-Guided Sparse Attention" (Yue, Xue, Huang), arXiv 2602.07223.
+One registry: the schemas are in ``csrc/registration.cpp`` only (its ``TORCH_LIBRARY(vegas)``
+runs when this module imports the compiled ``vegas_ext._C``); CPU kernels in ``csrc/cpu/<op>.cpp``;
+CUDA kernels in ``csrc/cuda/<op>.cu``; references in :mod:`vegas_ext.reference`; here the typed
+wrappers, the fake kernels (``torch.compile``) and the no-backward guards. Method: Vegas,
+"Self-Speculative Decoding with Verification-Guided Sparse Attention" (Yue, Xue, Huang),
+arXiv 2602.07223.
 
 Conventions shared by all ops (the KV cache of one layer):
 
@@ -13,10 +15,15 @@ Conventions shared by all ops (the KV cache of one layer):
 * Block ``j`` covers tokens ``[j * block_size, (j + 1) * block_size)``.
 * dtypes: q/k/v float32, bfloat16 or float16 (all the same); accumulation in float32.
 
+Importing this module needs the compiled extension (``bash scripts/setup.sh`` or
+``pip install --no-build-isolation -e .`` builds it): without it, or with one built from sources
+older than an op here, the import raises an ImportError saying so.
+
 Dispatch: on CPU the compiled C++ kernels always run. On CUDA the compiled kernels
 run only when enabled (``VEGAS_CUDA_KERNELS=1`` or :func:`set_cuda_kernels_enabled`),
 because they have not yet been verified on GPU hardware; otherwise, and on any
-device without a compiled kernel, the plain-PyTorch reference runs.
+device without a compiled kernel (a build without CUDA, or the CPU-only ops on CUDA), the
+plain-PyTorch reference runs.
 
 Where the input checks run:
 
@@ -43,7 +50,6 @@ import functools
 import inspect
 import math
 import os
-import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -64,35 +70,36 @@ __all__ = [
 ]
 
 try:
-    from . import _C  # noqa: F401  (registers torch.ops.vegas.* kernels)
+    from . import _C  # noqa: F401  (loading it runs csrc/registration.cpp: every vegas:: schema)
+except ImportError as _e:
+    raise ImportError(
+        f"vegas_ext: the compiled extension vegas_ext._C is not available ({_e}); build it with "
+        "`bash scripts/setup.sh` or `pip install --no-build-isolation -e .`"
+    ) from _e
 
-    EXTENSION_LOADED = True
-except ImportError as _e:  # pragma: no cover - exercised only without a build
-    EXTENSION_LOADED = False
-    _IMPORT_ERROR = _e
-    warnings.warn(
-        f"vegas_ext: compiled extension not available ({_e}); using the PyTorch references. "
-        "Build it with `pip install --no-build-isolation -e .`.",
-        stacklevel=2,
+#: True: importing this module fails without the compiled extension (kept for callers that check).
+EXTENSION_LOADED = True
+
+# Every op of csrc/registration.cpp, in its order.
+_OPS = ("verify_attention", "block_topk", "sparse_draft_attention", "block_minmax_update", "quest_block_scores",
+        "paged_block_scores", "paged_verify_attention", "paged_sparse_draft_attention", "weight_only_linear",
+        "rope_kv_write", "add_rms_norm", "silu_mul")
+
+
+def _op_defined(name: str) -> bool:
+    """Whether the loaded library defines ``vegas::<name>``."""
+    try:
+        return getattr(torch.ops.vegas, name).default is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_MISSING = [op for op in _OPS if not _op_defined(op)]
+if _MISSING:  # a stale build: one clear error instead of failures at the first use of each op
+    raise ImportError(
+        f"vegas_ext: the compiled extension {_C.__file__} defines no vegas::{', vegas::'.join(_MISSING)}: it was "
+        "built from older sources; rebuild it with `bash scripts/setup.sh` or `pip install --no-build-isolation -e .`"
     )
-    _lib = torch.library.Library("vegas", "DEF")
-    _lib.define(
-        "verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, int block_size, "
-        "float scale, Tensor? query_weights=None) -> (Tensor out, Tensor lse, Tensor block_scores)"
-    )
-    _lib.define(
-        "block_topk(Tensor block_scores, Tensor k, Tensor num_candidates, int max_k, "
-        "int num_sink_blocks) -> Tensor"
-    )
-    _lib.define(
-        "sparse_draft_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_indices, "
-        "Tensor tail_start, Tensor seq_lens, int block_size, float scale) -> Tensor"
-    )
-    _lib.define(
-        "block_minmax_update(Tensor(a!) key_min, Tensor(b!) key_max, Tensor k_cache, "
-        "Tensor seq_lens, Tensor start, int block_size) -> ()"
-    )
-    _lib.define("quest_block_scores(Tensor q, Tensor key_min, Tensor key_max, Tensor num_blocks) -> Tensor")
 
 _CUDA_ENABLED = os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1"
 
@@ -104,8 +111,8 @@ def set_cuda_kernels_enabled(enabled: bool) -> None:
 
 
 def has_compiled_kernel(op: str, device_type: str) -> bool:
-    """True when ``torch.ops.vegas.<op>`` has a compiled kernel for ``device_type`` (False when
-    the loaded library does not define the op at all, e.g. one built from older sources)."""
+    """True when ``torch.ops.vegas.<op>`` has a compiled kernel for ``device_type`` (``"cpu"`` or
+    ``"cuda"``; False for other devices and for an op name the library does not define)."""
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None:
         return False
@@ -116,11 +123,7 @@ def has_compiled_kernel(op: str, device_type: str) -> bool:
 
 
 # Looked up once, so the wrappers stay traceable by torch.compile (a dict read).
-_COMPILED = {
-    (op, dev): has_compiled_kernel(op, dev)
-    for op in ("verify_attention", "block_topk", "sparse_draft_attention", "block_minmax_update", "quest_block_scores")
-    for dev in ("cpu", "cuda")
-}
+_COMPILED = {(op, dev): has_compiled_kernel(op, dev) for op in _OPS for dev in ("cpu", "cuda")}
 
 
 def _use_compiled(op: str, device: torch.device) -> bool:
@@ -627,18 +630,6 @@ for _op in ("verify_attention", "sparse_draft_attention", "quest_block_scores"):
     torch.library.register_autograd(f"vegas::{_op}", _no_backward(_op))
 
 
-# ---------------------------------------------------------------------------
-# reference fallback where no compiled kernel serves a device
-# ---------------------------------------------------------------------------
-_FALLBACKS = {
-    "verify_attention": _verify_fallback,
-    "block_topk": _topk_fallback,
-    "sparse_draft_attention": _draft_fallback,
-    "block_minmax_update": reference.block_minmax_update,
-    "quest_block_scores": reference.quest_block_scores,
-}
-
-
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -697,15 +688,6 @@ quest_block_scores = _make_dispatching("quest_block_scores", quest_block_scores,
 # ---------------------------------------------------------------------------
 # paged_block_scores (the selection signal inside a paged-cache engine such as vLLM)
 # ---------------------------------------------------------------------------
-if not EXTENSION_LOADED:  # pragma: no cover
-    _lib.define(
-        "paged_block_scores(Tensor q, Tensor key_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor query_start_loc, int num_queries, float scale) -> Tensor"
-    )
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("paged_block_scores", _dev)] = has_compiled_kernel("paged_block_scores", _dev)
-
-
 def paged_block_scores(
     q: Tensor,
     key_cache: Tensor,
@@ -841,15 +823,6 @@ __all__.append("paged_block_scores")
 # ---------------------------------------------------------------------------
 # weight_only_linear (the low-precision linears of the draft forwards, vegas_ext.draft_weights)
 # ---------------------------------------------------------------------------
-if not EXTENSION_LOADED:  # pragma: no cover
-    _lib.define(
-        "weight_only_linear(Tensor x, Tensor weight, Tensor? scales=None, Tensor? bias=None, "
-        "int group_size=64) -> Tensor"
-    )
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("weight_only_linear", _dev)] = has_compiled_kernel("weight_only_linear", _dev)
-
-
 def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                        group_size: int = 64) -> Tensor:
     """``y = x . W^T (+ bias)`` for few rows of float32 activations against a weight stored as
@@ -929,27 +902,9 @@ weight_only_linear = _make_dispatching("weight_only_linear", weight_only_linear,
 __all__.append("weight_only_linear")
 
 
-def _op_defined(name: str) -> bool:
-    """Whether the loaded library defines ``vegas::<name>`` (a build older than the op does not)."""
-    try:
-        return getattr(torch.ops.vegas, name).default is not None
-    except (AttributeError, RuntimeError):
-        return False
-
-
 # ---------------------------------------------------------------------------
 # rope_kv_write (RoPE + the K/V write of one layer: the lean draft forward, vegas_ext.draft_forward)
 # ---------------------------------------------------------------------------
-if not _op_defined("rope_kv_write"):  # a library built before this op: its schema here, the reference serves it
-    _rkw_lib = torch.library.Library("vegas", "FRAGMENT")
-    _rkw_lib.define(
-        "rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor write_pos) -> Tensor"
-    )
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("rope_kv_write", _dev)] = has_compiled_kernel("rope_kv_write", _dev)
-
-
 def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                   write_pos: Tensor) -> Tensor:
     """RoPE on one layer's new queries and keys, and the rotated keys and the values written into
@@ -1040,13 +995,6 @@ __all__.append("rope_kv_write")
 # ---------------------------------------------------------------------------
 # add_rms_norm (residual add + RMSNorm: the lean draft forward's norms, vegas_ext.draft_forward)
 # ---------------------------------------------------------------------------
-if not _op_defined("add_rms_norm"):  # a library built before this op: its schema here, the reference serves it
-    _arn_lib = torch.library.Library("vegas", "FRAGMENT")
-    _arn_lib.define("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor")
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("add_rms_norm", _dev)] = has_compiled_kernel("add_rms_norm", _dev)
-
-
 def add_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float) -> Tensor:
     """A residual add and the RMSNorm after it, in one call: ``x += residual`` in place (skipped
     for ``residual=None``), then ``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension
@@ -1116,13 +1064,6 @@ __all__.append("add_rms_norm")
 # ---------------------------------------------------------------------------
 # silu_mul (the gated activation on a fused gate/up projection: the lean draft forward's MLP)
 # ---------------------------------------------------------------------------
-if not _op_defined("silu_mul"):  # a library built before this op: its schema here, the reference serves it
-    _sm_lib = torch.library.Library("vegas", "FRAGMENT")
-    _sm_lib.define("silu_mul(Tensor gate_up) -> Tensor")
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("silu_mul", _dev)] = has_compiled_kernel("silu_mul", _dev)
-
-
 def silu_mul(gate_up: Tensor) -> Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]``: a Llama-family MLP's gated activation on its
     fused gate/up projection, in one call (a split, a SiLU and a product otherwise).
@@ -1170,17 +1111,6 @@ __all__.append("silu_mul")
 # ---------------------------------------------------------------------------
 # paged_verify_attention (verification attention and page scores in one pass, inside vLLM)
 # ---------------------------------------------------------------------------
-_PVA_SCHEMA = ("paged_verify_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-               "Tensor seq_lens, Tensor query_start_loc, int num_queries, float scale, "
-               "int? score_block_size=None) -> (Tensor out, Tensor block_scores)")
-if not has_compiled_kernel("paged_verify_attention", "cpu") and not hasattr(torch.ops.vegas, "paged_verify_attention"):
-    # no build, or a build from older sources: the schema only, served by the reference below
-    _pva_lib = torch.library.Library("vegas", "FRAGMENT")  # pragma: no cover
-    _pva_lib.define(_PVA_SCHEMA)  # pragma: no cover
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("paged_verify_attention", _dev)] = has_compiled_kernel("paged_verify_attention", _dev)
-
-
 def paged_verify_attention(
     q: Tensor,
     key_cache: Tensor,
@@ -1299,18 +1229,6 @@ __all__.append("paged_verify_attention")
 # ---------------------------------------------------------------------------
 # paged_sparse_draft_attention (token-granular drafts inside vLLM)
 # ---------------------------------------------------------------------------
-_PSDA_SCHEMA = ("paged_sparse_draft_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-                "Tensor seq_lens, Tensor query_start_loc, Tensor token_indices, Tensor tail_start, float scale) -> "
-                "Tensor")
-if not has_compiled_kernel("paged_sparse_draft_attention", "cpu") and not hasattr(
-        torch.ops.vegas, "paged_sparse_draft_attention"):
-    # no build, or a build from older sources: the schema only, served by the reference below
-    _psda_lib = torch.library.Library("vegas", "FRAGMENT")  # pragma: no cover
-    _psda_lib.define(_PSDA_SCHEMA)  # pragma: no cover
-for _dev in ("cpu", "cuda"):
-    _COMPILED[("paged_sparse_draft_attention", _dev)] = has_compiled_kernel("paged_sparse_draft_attention", _dev)
-
-
 def paged_sparse_draft_attention(
     q: Tensor,
     key_cache: Tensor,
