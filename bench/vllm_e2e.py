@@ -44,13 +44,10 @@ from bench.common import commit_label
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # "vegas" / "streamingllm": every request drafts γ; "vegas_auto": each request 0..γ (gamma_policy "auto");
-# "vegas_2pass": "vegas" with VEGAS_VLLM_ONE_PASS=0 (vLLM's attention, then paged_block_scores: A/B);
 # "*_token": draft_granularity "token" (selected tokens per KV head instead of whole pages), γ fixed;
-# "vegas_token_inplace": "vegas_token" with VEGAS_VLLM_GATHER_DRAFT_KV=0 (each step reads the selected
-# tokens in place instead of from the round's gathered copy: A/B);
-# the drafts' linears follow --draft-weights
-METHODS = ("none", "ngram", "vegas_2pass", "vegas", "streamingllm", "vegas_auto", "vegas_token",
-           "vegas_token_inplace", "streamingllm_token")
+# the drafts' linears follow --draft-weights. (The two-pass verification and in-place token drafts of
+# earlier A/B runs: measure against an older commit.)
+METHODS = ("none", "ngram", "vegas", "streamingllm", "vegas_auto", "vegas_token", "streamingllm_token")
 DEFAULT_METHODS = ["none", "ngram", "vegas", "streamingllm", "vegas_auto"]
 
 
@@ -343,8 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS, metavar="METHOD",
                    help="none: no speculation; ngram: vLLM's prompt lookup; vegas / streamingllm: the plugin, every "
                         "request drafts γ over selected pages; vegas_auto: the plugin's default, each request 0..γ; "
-                        "*_token: selected tokens instead of pages; vegas_2pass: scores by a second pass, "
-                        "vegas_token_inplace: token drafts reading the cache in place (A/B); "
+                        "*_token: selected tokens instead of pages; "
                         f"one of {', '.join(METHODS)}")
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8128], help="prompt tokens per request")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16], help="requests per cell")
@@ -409,10 +405,6 @@ def run_method(args: argparse.Namespace, m: str, runs: str) -> None:
                TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
     if m in ("none", "ngram"):
         env["VLLM_PLUGINS"] = ""
-    if m == "vegas_2pass":
-        env["VEGAS_VLLM_ONE_PASS"] = "0"
-    if m == "vegas_token_inplace":
-        env["VEGAS_VLLM_GATHER_DRAFT_KV"] = "0"
     if m not in ("none", "ngram"):  # the proposer's counters, read per cell
         env["VEGAS_VLLM_STATS_DIR"] = os.path.join(args.out, "proposer_stats", m)
     cmd = [sys.executable, "-m", "bench.vllm_e2e", "--method", m, "--worker-out", runs,

@@ -19,11 +19,9 @@ drafts), or, with ``draft_granularity="token"``, :func:`vegas_ext.ops.paged_spar
 over the real block table and the proposer's per-(layer, KV head) token selection; the target
 forward then keeps per-token scores (``score_block_size=1``). Engines without a Vegas proposer
 run the stock forward alone.
-``VEGAS_VLLM_ONE_PASS=0`` keeps the two-pass path everywhere (for A/B measurements).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -91,21 +89,14 @@ def _collecting(impl, attn_metadata) -> bool:
             and impl.attn_type == AttentionType.DECODER)
 
 
-#: ``VEGAS_VLLM_ONE_PASS=0``: never use the one-pass verification (A/B measurements).
-ONE_PASS = os.environ.get("VEGAS_VLLM_ONE_PASS", "1") != "0"
-#: ``VEGAS_VLLM_GATHER_DRAFT_KV=0``: token-granular drafts read the selected tokens in place through
-#: the block table at every step instead of from :class:`DraftKV` (A/B measurements).
-GATHER_DRAFT_KV = os.environ.get("VEGAS_VLLM_GATHER_DRAFT_KV", "1") != "0"
-
-
 def one_pass_applies(impl, attn_metadata) -> bool:
     """Whether this forward runs :func:`vegas_ext.ops.paged_verify_attention` instead of vLLM's
     kernel plus :func:`vegas_ext.ops.paged_block_scores`: a target forward that collects scores,
     every request with at most γ + 1 new tokens (decode / verification; a prefill chunk keeps
     vLLM's kernel), a plain causal decoder layer (no ALiBi, sliding window, soft-cap or sinks), a
-    float cache, and the op's compiled CPU kernel (an extension built from older sources has none;
-    its PyTorch reference would be far slower than the two passes)."""
-    return (ONE_PASS and ops._COMPILED.get(("paged_verify_attention", "cpu"), False)  # else the slow reference
+    float cache, and the op's compiled CPU kernel (on CUDA its PyTorch reference would be far
+    slower than the two passes)."""
+    return (ops._COMPILED.get(("paged_verify_attention", "cpu"), False)
             and _collecting(impl, attn_metadata) and not impl.is_fp8_kv_cache
             and attn_metadata.max_query_len <= impl.vegas_state.num_queries and attn_metadata.causal
             and getattr(attn_metadata, "dynamic_causal", None) is None and impl.alibi_slopes is None

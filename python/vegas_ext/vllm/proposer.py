@@ -61,7 +61,7 @@ from .. import ops
 from ..selection import streaming_indices
 from ..speculation import IterationCosts, PerRequestGamma
 from . import draft_linears
-from .backend import GATHER_DRAFT_KV, DraftKV, VegasState, attach_state, gather_draft_kv
+from .backend import DraftKV, VegasState, attach_state, gather_draft_kv
 from .cpu_layout import PLAIN_KEY_ISAS
 from .options import ADDITIONAL_CONFIG_KEY, VegasOptions
 
@@ -373,8 +373,7 @@ class VegasProposer:
         nsel = (sel >= 0).sum(-1).amax(-1)  # [L, R] tokens read per head before the tail
         bt32 = req.bt.to(torch.int32)
         cached = {"n": -1}
-        if GATHER_DRAFT_KV:
-            st.draft_kv = self._gather_draft_kv(runner, layer_names, req, sel)
+        st.draft_kv = self._gather_draft_kv(runner, layer_names, req, sel)
 
         def metadata(act, n, pos, slots):
             if n != cached["n"]:  # the active requests only ever shrink
