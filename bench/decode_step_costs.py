@@ -22,7 +22,7 @@ On a GPU (the end-to-end step of bench/gpu_check.sh): a random-weight model of L
 (weights cannot travel to the GPU machine; step times do not depend on their values), bf16,
 32K context, batch 8, the fixed acceptance pattern ``--tau``::
 
-    VEGAS_CUDA_KERNELS=1 python -m bench.decode_step_costs --model-config llama3-8b --device cuda \
+    python -m bench.decode_step_costs --model-config llama3-8b --device cuda \
         --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --no-hf
 
 Usage: ``python -m bench.decode_step_costs --contexts 2048,4096,8192 --batches 1,4 --gamma 6``
@@ -313,7 +313,7 @@ def cell_record(args: argparse.Namespace, model, packed: int, dws: dict, cell: C
     return dict(
         model=args.model_config or "embedded SmolLM2-135M", device=str(dev),
         device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "0") == "1" if dev.type == "cuda" else None,
+        cuda_kernels=os.environ.get("VEGAS_CUDA_KERNELS", "1") != "0" if dev.type == "cuda" else None,
         context=S, batch=B, gamma=g, tau=tau, block_size=args.block_size, ratio=args.ratio,
         min_tokens=args.min_tokens, threads=torch.get_num_threads(), dtype=str(next(model.parameters()).dtype),
         packed_linears=packed,

@@ -116,7 +116,7 @@ if [ "$DEST" != "$RES" ]; then cp -f "$RES"/kernels_cuda.* "$DEST"/ 2>/dev/null 
 
 step "4/4 end to end: random-weight Llama-3-8B shape, 32K context, batch 8, gamma 6, fixed acceptance tau 5"
 set +e
-VEGAS_CUDA_KERNELS=1 timeout 120 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
+timeout 120 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
   --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --reps 3 --no-hf \
   --out "$DEST/e2e_llama3_8b_shape.jsonl"
 erc=$?

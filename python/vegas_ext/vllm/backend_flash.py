@@ -5,7 +5,7 @@ Same contract as :mod:`vegas_ext.vllm.backend` for vLLM's FlashAttention backend
 2 * D]``, keys in the first ``D`` of the last dim, ``FlashAttentionImpl.forward`` splitting it at
 line 1252) and registered only when ``VEGAS_VLLM_ALLOW_CUDA=1``. The page scores come from
 :func:`vegas_ext.ops.paged_block_scores`, which runs its CUDA kernel when the CUDA kernels are
-enabled (``VEGAS_CUDA_KERNELS=1``; the op ran on an H200, this backend has not) and its PyTorch
+used (unless ``VEGAS_CUDA_KERNELS=0``; the op ran on an H200, this backend has not) and its PyTorch
 reference otherwise.
 Run vLLM with ``compilation_config={"cudagraph_mode": "PIECEWISE"}``: under a full
 CUDA graph the attention's Python does not run, no scores are recorded and the drafts fall back to
