@@ -41,7 +41,7 @@ from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .cache import VegasCache
 from .draft_forward import lean_draft
 from .draft_weights import check_draft_weights, draft_weights_for
-from .hf import AttentionState, check_model_supported, patched, rope_types
+from .hf import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
 from .packed_linear import tensor_key
 from .selection import (
     SELECTION_ALGORITHMS,
@@ -111,7 +111,8 @@ class DecodeSettings:
         logits_processor, stopping_criteria: optional HF-style ``(input_ids [n, L], scores) -> ...``
             callables applied per position as plain decoding applies them
             (:meth:`DecodeState.process`, :meth:`DecodeState.stop_positions`); ``prompt_ids``:
-            ``[B0, T]`` the caller's prompts as given, the start of the ``input_ids`` they see.
+            ``[B0, T]`` the caller's prompts as given, the start of the ``input_ids`` they see;
+            ``pad_token_id``: what follows a finished row's tokens there, and pads a row on the left.
     """
 
     model: object
@@ -131,6 +132,7 @@ class DecodeSettings:
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None
     prompt_ids: Optional[Tensor] = None
+    pad_token_id: int = 0
 
 
 @dataclass
@@ -183,20 +185,38 @@ class DecodeState:
     def prefixes(self, ahead: Tensor, mask: Optional[Tensor] = None):
         """Yields ``(sel, pos, ids)`` per group of current rows (those in ``mask``, default all) with
         equal token counts ``n``: ``sel`` the rows' batch indices, ``pos`` their caller's rows, and
-        ``ids`` ``[B0, T + n + A]`` the caller's whole batch as plain decoding would hold it, the
-        group's rows exact (prompt as given, emitted tokens, then ``ahead[sel]`` ``[., A]``), the
-        other rows filler. The whole batch, because HF's processors may hold per-row state
-        indexed by batch position (e.g. the repetition penalty's left-padding lengths)."""
-        prompt_ids = self.settings.prompt_ids
+        ``ids`` ``[B0, T + n + A]`` int64 the caller's whole batch as plain decoding would hold it
+        (the whole batch, because HF's processors may hold per-row state indexed by batch position).
+        The group's rows are exact: prompt as given, emitted tokens, then ``ahead[sel]`` ``[., A]``.
+        Every other row is a prefix that row really has: its first ``n + A`` tokens where it has
+        emitted that many or has finished (then ``pad_token_id`` after its last token, as plain
+        decoding fills a finished row), else everything it has emitted so far, right-aligned behind
+        more left padding (``pad_token_id``) -- its tokens at this step do not exist yet."""
+        s = self.settings
+        prompt_ids, pad = s.prompt_ids, s.pad_token_id
+        B0, T = prompt_ids.shape
+        A, device = ahead.shape[1], prompt_ids.device
         key = self.n_gen if mask is None else torch.where(mask, self.n_gen, -1)
-        T, A = prompt_ids.shape[1], ahead.shape[1]
+        have = self.n_gen_all if self.n_gen_all is not None else torch.zeros(B0, dtype=torch.long, device=device)
+        finished = torch.ones(B0, dtype=torch.bool, device=device)  # rows that left the batch are finished
+        finished[self.rows] = False if self.done is None else self.done
         for n in torch.unique(key).tolist():
-            if n >= 0:
-                sel = (key == n).nonzero()[:, 0]
-                pos = self.rows[sel]
-                ids = torch.cat([prompt_ids, self.new_tokens[:, :n], ahead.new_zeros(len(prompt_ids), A)], 1)
-                ids[pos, T + n:] = ahead[sel]
-                yield sel, pos, ids
+            if n < 0:
+                continue
+            sel = (key == n).nonzero()[:, 0]
+            pos = self.rows[sel]
+            W = T + n + A
+            tokens = self.new_tokens[:, : n + A]
+            if tokens.shape[1] < n + A:  # drafts past the buffer: only rows shown in full reach them
+                tokens = torch.cat([tokens, tokens.new_full((B0, n + A - tokens.shape[1]), pad)], 1)
+            full = torch.cat([prompt_ids, tokens], 1)
+            # a row that has neither emitted n + A tokens nor finished shows all it has, shifted right
+            shift = torch.where(finished, 0, (n + A - have).clamp(min=0))
+            src = torch.arange(W, device=device)[None, :] - shift[:, None]
+            ids = torch.where(src >= 0, full.gather(1, src.clamp(min=0)), torch.full_like(full, pad))
+            ids[pos, : T + n] = full[pos, : T + n]
+            ids[pos, T + n:] = ahead[sel]
+            yield sel, pos, ids
 
     def process(self, logits: Tensor, ahead: Tensor) -> Tensor:
         """``logits`` ``[B, Q, V]`` of each row's next ``Q`` positions, position ``i`` following the
@@ -710,12 +730,13 @@ def _eos_and_pad(model, eos_token_id, pad_token_id):
     return eos_ids, config.check_int(pad_token_id, name, config.INT64_MIN, config.INT64_MAX)
 
 
-def _left_aligned(input_ids: Tensor, prompt_lens: Tensor, filler: int) -> Tensor:
-    """``[B, max(prompt_lens)]``: each row's prompt moved to the left, ``filler`` after it."""
-    T = input_ids.shape[1]
-    ar = torch.arange(int(prompt_lens.max()), device=input_ids.device)
-    src = (T - prompt_lens)[:, None] + ar[None, :]
-    aligned = input_ids.gather(1, src.clamp(max=T - 1))
+def _left_aligned(input_ids: Tensor, keep: Tensor, prompt_lens: Tensor, filler: int) -> Tensor:
+    """``[B, max(prompt_lens)]``: each row's prompt tokens (``keep`` ``[B, T]`` bool: where the mask
+    is 1), in order, moved to the left, ``filler`` after them."""
+    order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)  # kept positions first, in order
+    L = int(prompt_lens.max())
+    aligned = input_ids.gather(1, order[:, :L])
+    ar = torch.arange(L, device=input_ids.device)
     return torch.where(ar[None, :] < prompt_lens[:, None], aligned, torch.full_like(aligned, filler))
 
 
@@ -767,9 +788,11 @@ def _check_model(model) -> None:
                          "or generation config (pass the *ForCausalLM, not its base model)")
 
 
-def _left_padded_prompts(model, input_ids, attention_mask, streamer):
-    """Checks the prompts; returns ``(input_ids on the model's device, prompt_lens [B], device,
-    max_pos)``."""
+def _left_padded_prompts(model, input_ids, attention_mask, streamer, hf_semantics: bool = False):
+    """Checks the prompts; returns ``(input_ids on the model's device, keep [B, T] bool (the prompt
+    tokens), prompt_lens [B], device, max_pos)``. With ``hf_semantics`` a 0 anywhere but a row's
+    last column marks a token the model skips (transformers' meaning), and a prompt may be longer
+    than ``max_pos`` (:func:`_hf_position_limit` decides)."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("input_ids must be an int64 tensor [B, T]")
     B, T = input_ids.shape
@@ -794,21 +817,57 @@ def _left_padded_prompts(model, input_ids, attention_mask, streamer):
     if not bool(binary.all()):
         bad = attention_mask[~binary][0].item()
         raise ValueError(f"attention_mask values must be 0 or 1 (1: a prompt token, 0: left padding), got {bad!r}")
-    prompt_lens = attention_mask.long().sum(1)
-    ar_t = torch.arange(T, device=device)
-    expect = (ar_t[None, :] >= (T - prompt_lens)[:, None]).long()
-    if not torch.equal(expect, (attention_mask != 0).long()):
-        raise ValueError("attention_mask must be left padding (each row's ones contiguous at the right end)")
-    if bool((prompt_lens == 0).any()):
-        raise ValueError("every row needs at least one prompt token")
+    keep = attention_mask != 0
+    prompt_lens = keep.long().sum(1)
+    empty = (prompt_lens == 0).nonzero()[:, 0].tolist()
+    if empty:
+        rows = f"row {empty[0]} is" if len(empty) == 1 else f"rows {empty} are"
+        raise ValueError(
+            f"attention_mask {rows} all zeros: no prompt token to continue (plain decoding would predict from "
+            "padding alone); every row needs at least one prompt token: drop the row, or give it a token with mask 1 "
+            "(e.g. the BOS token)")
+    if hf_semantics:
+        right = (~keep[:, -1]).nonzero()[:, 0].tolist()
+        if right:
+            raise ValueError(
+                f"attention_mask must be left padding: row {right[0]} ends with a 0 (right padding"
+                f"{'' if len(right) == 1 else f'; rows {right}'}), so plain decoding would predict its next token "
+                "from a padding token; pad on the left (tokenizer.padding_side = 'left')")
+    else:
+        ar_t = torch.arange(T, device=device)
+        expect = ar_t[None, :] >= (T - prompt_lens)[:, None]
+        if not torch.equal(expect, keep):
+            raise ValueError("attention_mask must be left padding (each row's ones contiguous at the right end)")
 
     _check_token_range(model, input_ids, attention_mask)
     _check_model_dtype(model)
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30) or (1 << 30))
     Lmax = int(prompt_lens.max())
-    if Lmax > max_pos:
+    if Lmax > max_pos and not hf_semantics:
         raise ValueError(f"prompt of {Lmax} tokens is longer than the model's max_position_embeddings ({max_pos})")
-    return input_ids, prompt_lens, device, max_pos
+    return input_ids, keep, prompt_lens, device, max_pos
+
+
+def _hf_position_limit(model, prompt_lens: Tensor, max_new_tokens: int, max_pos: int) -> int:
+    """The ``max_pos`` of a call with transformers' semantics: transformers' ``generate`` does not stop
+    at ``max_position_embeddings`` (RoPE extrapolates), so neither does the loop where the rotation
+    of a position is the same however positions are split into forwards (``EXACT_ROPE_TYPES``);
+    returns ``max_pos`` raised so that no row is capped. ``ValueError`` up front for a context past
+    it with another RoPE type (``dynamic`` rescales, ``longrope`` switches factors per forward)."""
+    Lmax = int(prompt_lens.max())
+    last = Lmax + max_new_tokens - 1  # the position of a longest row's last new token (never fed)
+    if last <= max_pos and Lmax <= max_pos:
+        return max_pos
+    odd = sorted(rope_types(model.config) - set(EXACT_ROPE_TYPES))
+    if odd:
+        remedy = (f"lower max_new_tokens to at most {max_pos - Lmax + 1}" if Lmax <= max_pos
+                  else f"shorten the prompt to at most {max_pos} tokens")
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}: a row of {Lmax} prompt tokens would pass the model's "
+            f"max_position_embeddings={max_pos}; transformers' generate goes on there, but with rope_type {odd[0]!r} "
+            "it changes the rotary frequencies per forward past that point, so its tokens depend on how the sequence "
+            f"is split into forwards, which speculative decoding changes; {remedy}")
+    return max(last, Lmax)
 
 
 def _check_token_range(model, input_ids: Tensor, attention_mask: Tensor) -> None:
@@ -865,6 +924,7 @@ def generate(
     draft_weights: Optional[str] = None,
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None,
+    hf_semantics: bool = False,
 ) -> GenerateOutput:
     """Generate with Vegas self-speculative decoding (arXiv 2602.07223) on a HF causal LM.
 
@@ -895,7 +955,8 @@ def generate(
         attention_mask: ``[B, T]`` 0/1, ones contiguous at the right end of each row (left padding);
             default all ones.
         max_new_tokens: new tokens per row (>= 0). Also capped so a row never goes past the model's
-            ``max_position_embeddings`` (it then ends at the last position; HF would extrapolate).
+            ``max_position_embeddings`` (it then ends at the last position; HF would extrapolate, and
+            so does ``hf_semantics=True``).
         num_speculative_tokens: drafts per iteration ``gamma``: an int >= 0 (fixed), or ``"auto"``
             (default): before every iteration the ``g`` in ``0..max_speculative_tokens`` with the
             most expected emitted tokens per second, from the acceptance rates per draft position
@@ -965,13 +1026,22 @@ def generate(
             takes the argmax of the processed scores; sampling draws from the softmax of the
             processed scores (then ``temperature`` / ``top_k`` / ``top_p``) for both the draft and
             the target distributions, so the output follows the processed target. It is called
-            with the caller's whole batch, rows of other lengths holding filler: a row's result
-            must depend on that row only (its batch index may matter), and on the inputs only
-            (no state carried from call to call). ``None`` (default): no per-position work.
+            with the caller's whole batch, each row a prefix that row really has (rows the loop
+            has not brought to that length yet show what they have so far behind more left
+            padding; finished rows are followed by ``pad_token_id``, as plain decoding fills
+            them): a row's result must depend on that row only (its batch index may matter), and
+            on the inputs only (no state carried from call to call). ``None`` (default): no
+            per-position work.
         stopping_criteria: optional HF-style ``(input_ids [n, L], scores=None) -> bool [n]`` (e.g.
             a ``transformers.StoppingCriteriaList``: stop strings, max time) checked after each
             emitted token with the row's ``input_ids`` as above; a row ends after the first token
             at which it says done (the token is kept), like plain decoding. Same contract as above.
+        hf_semantics: read the inputs as transformers' ``generate`` does (set by
+            :func:`vegas_ext.hf.generate`): a 0 in ``attention_mask`` anywhere but a row's last
+            token marks a token the model skips (it takes no position), and rows go on past
+            ``max_position_embeddings`` where the RoPE gives every position the same rotation
+            however the sequence is split into forwards (``ValueError`` up front for
+            ``rope_type`` ``dynamic`` / ``longrope`` there) instead of being capped.
 
     Returns:
         :class:`GenerateOutput` with ``sequences`` ``[B, T + n]`` (``n`` = most new tokens of any
@@ -1014,7 +1084,11 @@ def generate(
     _check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
     _check_call_args(model, draft_weights, logits_processor, stopping_criteria)
-    input_ids, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer)
+    hf_semantics = config.check_bool(hf_semantics, "hf_semantics")
+    input_ids, keep, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer,
+                                                                         hf_semantics)
+    if hf_semantics:
+        max_pos = _hf_position_limit(model, prompt_lens, opts["max_new_tokens"], max_pos)
     plan = _plan(model, opts, prompt_lens, max_pos)
     config_used = _config_used(opts, plan, prompt_lens, next(model.parameters()).dtype, device, draft_weights)
     if opts["max_new_tokens"] == 0:  # no forward, but the same model checks as a decoding call
@@ -1030,12 +1104,12 @@ def generate(
         eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
         sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), compact=not return_cache,
         streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-        prompt_ids=input_ids,
+        prompt_ids=input_ids, pad_token_id=pad_token_id,
         # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
         draft_weights=draft_weights_for(model, draft_weights) if plan.strategy.drafts and draft_weights else None,
     )
     filler = pad_token_id if 0 <= pad_token_id < int(model.config.vocab_size) else 0
-    aligned = _left_aligned(input_ids, prompt_lens, filler)
+    aligned = _left_aligned(input_ids, keep, prompt_lens, filler)
     dw = settings.draft_weights
     with torch.inference_mode(), patched(model, max_context=plan.max_context), \
             (dw.installed() if dw is not None else contextlib.nullcontext()):

@@ -495,19 +495,37 @@ def _refuse(option: str, why: str):
 
 
 def _hf_generate_call() -> dict:
-    """Locals of the HF ``GenerationMixin.generate`` that called :func:`generate`, or ``{}``.
+    """Locals of the HF ``GenerationMixin.generate`` that called :func:`generate`, or ``{}``; under
+    ``"_call_kwargs"`` the keyword arguments ``model.generate`` was called with.
 
     transformers passes a callable ``custom_generate`` neither the ``streamer`` nor the
     ``assistant_model`` given to ``model.generate`` (its ``_extract_generation_mode_kwargs`` keeps
     only the callable's own extra arguments), so they are read from that call's frame: the
-    streamer to be honoured, the assistant model to be refused rather than silently ignored."""
+    streamer to be honoured, the assistant model to be refused rather than silently ignored. It
+    also pops ``tokenizer`` from ``generate``'s own ``**kwargs`` before that, so the call's keyword
+    arguments are read where they are still whole: in the frames of the decorators that wrap
+    ``generate`` (``torch.no_grad``, transformers' deprecation wrapper), each holding its ``kwargs``."""
     from transformers.generation.utils import GenerationMixin
 
+    wrappers, fn = set(), GenerationMixin.generate
+    while hasattr(fn, "__wrapped__") and hasattr(fn, "__code__"):
+        wrappers.add(fn.__code__)
+        fn = fn.__wrapped__
     code = inspect.unwrap(GenerationMixin.generate).__code__
     frame = sys._getframe(2)
     while frame is not None and frame.f_code is not code:
         frame = frame.f_back if frame.f_code.co_filename == __file__ else None
-    return dict(frame.f_locals) if frame is not None else {}
+    if frame is None:
+        return {}
+    found, call_kwargs, outer = dict(frame.f_locals), {}, frame.f_back
+    while outer is not None and outer.f_code in wrappers:  # innermost first: what generate itself got
+        kw = outer.f_locals.get("kwargs")
+        if isinstance(kw, dict):
+            for k, v in kw.items():
+                call_kwargs.setdefault(k, v)
+        outer = outer.f_back
+    found["_call_kwargs"] = call_kwargs
+    return found
 
 
 class _AfterPrompt:
@@ -653,9 +671,12 @@ def generate(
     processors (repetition penalty, no-repeat n-gram, min length / min new tokens, bad words,
     suppress tokens, sequence bias, ... and, when sampling, its temperature / top-k / top-p /
     min-p warpers) applied at every verified and drafted position with that position's own
-    ``input_ids``, and HF's stopping criteria (``stop_strings``, ``max_time``, custom ones)
-    checked after every emitted token. Greedy output equals plain ``model.generate`` token for
-    token in float32; sampling follows the distribution of plain sampling with the same options.
+    ``input_ids`` (every row of the batch a prefix that row really has), and HF's stopping
+    criteria (``stop_strings``, ``max_time``, custom ones) checked after every emitted token; the
+    attention mask and positions read as HF reads them (``hf_semantics``: a 0 inside a prompt
+    skips that token; rows go on past ``max_position_embeddings``). Greedy output equals plain
+    ``model.generate`` token for token in float32; sampling follows the distribution of plain
+    sampling with the same options. What it cannot reproduce it refuses before any forward.
 
     Args:
         model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
@@ -669,11 +690,13 @@ def generate(
             as extra keyword arguments; ``None`` = :func:`vegas_ext.generate`'s default.
         vegas_options: any other keyword arguments of :func:`vegas_ext.generate`, as a dict.
         stop_strings, tokenizer: HF's stop strings (``str`` or list), checked as plain decoding
-            checks them (``StopStringCriteria``). transformers passes a callable
-            ``custom_generate`` neither the ``tokenizer`` given to ``model.generate`` nor the
-            pipeline's, so bind it: ``custom_generate=functools.partial(vegas_ext.hf.generate,
-            tokenizer=tok)``; ``stop_strings`` (or a pipeline's ``stop_sequence``) then reach this
-            function instead of HF's own check, which would fail without the tokenizer.
+            checks them (``StopStringCriteria``), with the ``tokenizer`` given to
+            ``model.generate`` (or a pipeline's, for its ``stop_sequence``) as HF documents it.
+            transformers passes a callable ``custom_generate`` no ``tokenizer``, so it is read
+            from the ``model.generate`` call (:func:`_hf_generate_call`); one bound with
+            ``functools.partial(vegas_ext.hf.generate, tokenizer=tok)`` takes precedence.
+            ``stop_strings`` given to ``model.generate`` reach this function instead of HF's own
+            check, which would fail without the tokenizer.
         **model_kwargs: what HF prepared (``attention_mask``, ``position_ids``, an empty cache, ...).
 
     Returns:
@@ -682,7 +705,8 @@ def generate(
         (``sequences`` and ``stats``).
 
     Raises:
-        ValueError naming the option, for what cannot be honoured exactly: ``num_beams > 1``,
+        ValueError naming the option, before any forward, for what cannot be honoured exactly
+        (the list, with remedies: ``docs/hf_generate.md``): ``num_beams > 1``,
         ``num_beam_groups``, ``penalty_alpha`` (contrastive search), ``dola_layers``,
         ``assistant_model``, ``prompt_lookup_num_tokens``, ``assistant_early_exit``,
         ``output_scores`` / ``output_logits`` / ``output_attentions`` / ``output_hidden_states``
@@ -690,8 +714,11 @@ def generate(
         ``negative_prompt_ids``, a SynthID ``watermarking_config``, ``inputs_embeds``, a filled
         ``past_key_values`` / ``cache``, other model inputs, stopping
         criteria that end rows early in a batch without an EOS id (plain decoding then keeps
-        generating those rows), a streamer with batch size > 1; and the errors of
-        :func:`vegas_ext.generate` (unsupported model, right padding, out-of-range options).
+        generating those rows), a streamer with batch size > 1, ``stop_strings`` with no tokenizer,
+        a row that ends in padding (right padding, also where HF inferred the mask from
+        ``pad_token_id``), a row with no prompt token, a context past ``max_position_embeddings``
+        with a ``dynamic`` / ``longrope`` RoPE; and the errors of :func:`vegas_ext.generate`
+        (unsupported model, out-of-range options).
     """
     from .decode import generate as vegas_generate
 
@@ -703,6 +730,10 @@ def generate(
     _check_generation_config(gc, {**hf_call, "synced_gpus": synced_gpus}, logits_processor, model_kwargs)
     eos, pad = _eos_and_pad_ids(gc)
     B, T = input_ids.shape
+    if tokenizer is None:  # as HF documents it: model.generate(..., stop_strings=..., tokenizer=tok)
+        tokenizer = hf_call.get("_call_kwargs", {}).get("tokenizer")
+    if hf_call.get("kwargs_has_attention_mask") is False:
+        _check_inferred_mask(model_kwargs.get("attention_mask"), pad)
     criteria = _stopping_criteria(stopping_criteria, int(gc.max_length), eos, stop_strings, tokenizer, B)
     opts = dict(
         num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
@@ -723,7 +754,7 @@ def generate(
         model, input_ids, model_kwargs.get("attention_mask"),
         max_new_tokens=max(0, int(gc.max_length) - T), do_sample=bool(gc.do_sample), eos_token_id=eos,
         pad_token_id=pad, streamer=_AfterPrompt(streamer) if forwarded else streamer,
-        logits_processor=procs, stopping_criteria=criteria, **opts,
+        logits_processor=procs, stopping_criteria=criteria, hf_semantics=True, **opts,
     )
     if gc.return_dict_in_generate:
         return VegasGenerateOutput(sequences=out.sequences, stats=out.stats)
@@ -739,6 +770,23 @@ def _eos_and_pad_ids(gc):
     return eos, None if pad_t is None else int(pad_t)
 
 
+def _check_inferred_mask(mask, pad) -> None:
+    """Refuse an ``attention_mask`` that transformers inferred (none was passed) as ``input_ids !=
+    pad_token_id`` when it leaves a row ending in padding or empty: the caller's prompt merely
+    contains the pad id there, and the message says so (:func:`vegas_ext.generate` would speak of
+    a mask the caller never passed)."""
+    if mask is None or mask.dim() != 2:
+        return
+    bad = (mask[:, -1] == 0).nonzero()[:, 0].tolist()
+    if bad:
+        r = bad[0]
+        what = "is all" if not bool(mask[r].any()) else "ends with"
+        _refuse(f"input_ids row {r} that {what} pad_token_id={pad} without an attention_mask",
+                "transformers then infers attention_mask = (input_ids != pad_token_id), which makes those tokens "
+                "padding, and plain decoding would predict from a padding token; pass attention_mask (1 for every "
+                "prompt token), or a pad_token_id that is not in the prompt")
+
+
 def _stopping_criteria(stopping_criteria, max_length: int, eos, stop_strings, tokenizer, batch_size: int):
     """HF's stopping criteria the loop must check itself (plus ``stop_strings``), or ``None``;
     refuses what plain decoding would honour differently."""
@@ -746,8 +794,8 @@ def _stopping_criteria(stopping_criteria, max_length: int, eos, stop_strings, to
     if stop_strings:
         if tokenizer is None:
             _refuse("stop_strings without a tokenizer",
-                    "transformers does not pass `tokenizer` to a callable custom_generate; bind it with "
-                    "custom_generate=functools.partial(vegas_ext.hf.generate, tokenizer=tok)")
+                    "they are matched on decoded text; pass tokenizer=tok to model.generate, as plain decoding "
+                    "requires")
         from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
         criteria = StoppingCriteriaList(criteria or [])
@@ -772,5 +820,5 @@ def _loop_processors(logits_processor, gc, opts: dict):
 #: arguments of vegas_ext.generate that model.generate's own options set
 _RESERVED_VEGAS_OPTIONS = frozenset({
     "model", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "eos_token_id", "pad_token_id", "streamer", "logits_processor", "stopping_criteria",
+    "eos_token_id", "pad_token_id", "streamer", "logits_processor", "stopping_criteria", "hf_semantics",
 })
