@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["VegasCache", "VegasCacheLayer"]
+__all__ = ["VegasCache", "VegasCacheLayer", "model_device"]
 
 _HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 / arm64 Linux
 _MADV_HUGEPAGE = 14
@@ -67,6 +67,28 @@ def advise_huge_pages(t: Tensor) -> bool:
         return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def model_device(model) -> torch.device:
+    """The device ``model`` (a ``torch.nn.Module``) computes on: its first parameter's, or, where
+    that is on the meta device with accelerate hooks that load the weights in each forward
+    (``accelerate.cpu_offload``, ``device_map`` offloading), the hooks' execution device.
+
+    Raises ``ValueError`` naming ``model`` for parameters on the meta device with no such hook
+    (weights never loaded), or a model without parameters."""
+    p = next(model.parameters(), None)
+    if p is None:
+        raise ValueError(f"model must have parameters, {type(model).__name__} has none")
+    if not p.is_meta:
+        return p.device
+    for mod in model.modules():  # accelerate's AlignDevicesHook, alone or inside a SequentialHook
+        hook = getattr(mod, "_hf_hook", None)
+        for h in (hook, *(getattr(hook, "hooks", None) or ())):
+            dev = getattr(h, "execution_device", None)
+            if dev is not None:
+                return torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
+    raise ValueError(f"model's parameters are on the meta device (no weights loaded) and no accelerate hook loads "
+                     f"them; load the weights (e.g. {type(model).__name__}.from_pretrained(path)) before generating")
 
 
 def _zeros(shape, dtype, device) -> Tensor:
@@ -218,12 +240,13 @@ class VegasCache(Cache):
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int) -> "VegasCache":
         """A cache sized for ``model`` (a HF ``*ForCausalLM``): layers, KV heads and head_dim from its
-        config, dtype and device from its parameters."""
+        config, dtype from its parameters, device :func:`model_device` (the execution device of an
+        offloaded model)."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         p = next(model.parameters())
-        return cls(cfg.num_hidden_layers, batch_size, n_kv, head_dim, max_len, p.dtype, p.device)
+        return cls(cfg.num_hidden_layers, batch_size, n_kv, head_dim, max_len, p.dtype, model_device(model))
 
     # ------------------------------------------------------------------ per forward
     def begin_forward(self, q_len: int, offset: int = 0) -> None:

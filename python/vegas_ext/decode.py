@@ -25,24 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 import os
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from . import config
+from . import config, prefill_cache as prefill_cache_mod
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
-from .cache import VegasCache
+from .cache import VegasCache, model_device
 from .draft_forward import lean_draft
 from .draft_weights import check_draft_weights, draft_weights_for
 from .hf import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
-from .packed_linear import tensor_key
 from .selection import (
     SELECTION_ALGORITHMS,
     FullAttention,
@@ -274,11 +271,15 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
     if t_pre > 0:
         st.mode = "prefill"
         cache.begin_forward(t_pre)
-        reused = _copy_prefill(state, prefill_cache, aligned[:, :t_pre])
+        miss = prefill_cache_mod.copy_into(prefill_cache, state.settings.model, cache, aligned[:, :t_pre],
+                                           st.write_hook)
+        reused = miss is None
         if not reused:
+            state.prefill_miss = miss
             state.forward(aligned[:, :t_pre], torch.arange(t_pre, device=device).expand(B, t_pre), 1)
             if prefill_cache is not None:
-                _store_prefill(state, prefill_cache, aligned[:, :t_pre])
+                state.prefill_miss = prefill_cache_mod.store(prefill_cache, state.settings.model, cache,
+                                                             aligned[:, :t_pre]) or state.prefill_miss
         cache.commit(pre)
     idx0 = pre[:, None] + torch.arange(n0, device=device)[None, :]
     st.mode = "verify"
@@ -299,163 +300,6 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
     if cfg.streamer is not None:
         cfg.streamer.put(first[:1].cpu())
     return reused
-
-
-def _copy_prefill(state: DecodeState, pc: Optional[dict], ids: Tensor) -> bool:
-    """Copy the prefill K/V of ``ids`` ``[B, t]`` from ``pc`` if it holds them for the model as it
-    is now; returns whether it did. Otherwise ``state.prefill_miss`` says why (``stats``)."""
-    cache, st = state.cache, state.attn
-    B, t = ids.shape
-    if pc is None:
-        return False
-    if pc.get("ids") is None:
-        state.prefill_miss = "empty"
-        return False
-    if not (pc["ids"].shape[0] == B and pc["ids"].shape[1] >= t and torch.equal(pc["ids"][:, :t], ids)):
-        state.prefill_miss = "other prompt"
-        return False
-    why = _prefill_cache_mismatch(pc, state.settings.model)
-    if why is not None:
-        state.prefill_miss = why
-        return False
-    for li, cl in enumerate(cache.layers):  # copy, and tell the write hook as a forward would
-        cl.keys[:, :, :t].copy_(pc["k"][li][:, :, :t])
-        cl.values[:, :, :t].copy_(pc["v"][li][:, :, :t])
-        if st.write_hook is not None:
-            st.write_hook(li, cl.keys, torch.zeros_like(cache.seq_lens))
-    return True
-
-
-class _NotFingerprintable(Exception):
-    """Part of a model's function that :func:`_model_fingerprint` cannot capture reliably."""
-
-
-#: ``vars(module)`` entries that are torch's own bookkeeping (tensors and hooks are taken apart)
-_MODULE_INTERNALS = frozenset((
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_is_full_backward_hook",
-    "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-))
-_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def _plain(v, where: str, depth: int = 0):
-    """A hashable snapshot of ``v`` if it is plain data (scalars, dtypes, tensors by storage and
-    version, and tuples / lists / sets / dicts of them; other objects inside such a container by
-    type and identity, e.g. transformers 5.25's ``_kernel_funcs`` slots of hub kernels); raises
-    :class:`_NotFingerprintable` for a module attribute that is itself a function or object."""
-    if isinstance(v, _SCALARS):
-        return v
-    if isinstance(v, Tensor):
-        return tensor_key(v)
-    if depth < 4:
-        if isinstance(v, (tuple, list)):
-            return (type(v).__name__,) + tuple(_plain(x, where, depth + 1) for x in v)
-        if isinstance(v, (set, frozenset)):
-            return ("set",) + tuple(sorted((_plain(x, where, depth + 1) for x in v), key=repr))
-        if isinstance(v, dict):
-            return ("dict",) + tuple(sorted(((repr(k), _plain(x, where, depth + 1)) for k, x in v.items()), key=repr))
-    if depth > 0:  # replaced -> another identity; what it does inside is the caller's contract
-        return ("object", type(v).__module__, type(v).__qualname__, id(v))
-    raise _NotFingerprintable(f"{where} is a {type(v).__name__}")
-
-
-def _config_snapshot(config, where: str):
-    try:
-        d = config.to_dict()
-    except Exception as e:  # noqa: BLE001 - any failure means: cannot tell whether it changed
-        raise _NotFingerprintable(f"{where}.to_dict() failed ({type(e).__name__})") from e
-    return _plain(d, where)
-
-
-def _model_fingerprint(model) -> dict:
-    """What determines the prefill K/V ``model`` computes, in parts (cheap: no tensor data read):
-
-    * ``"weights"``: every parameter's and buffer's storage address, in-place version counter,
-      dtype, device and shape (a reload, ``.to()`` or in-place update changes it);
-    * ``"modules"``: each module's path, class and plain attributes (``variance_epsilon``,
-      ``scaling``, ``training``, ..., tensors by storage and version);
-    * ``"config"``: ``config.to_dict()`` of every config object the modules hold;
-    * ``"torch"``: the float32 matmul precision and autocast state of the model's device.
-
-    Raises :class:`_NotFingerprintable` naming what it cannot capture: a forward hook or pre-hook
-    (module or global: a hook can read any state, e.g. a global steering vector), or a module
-    attribute that is not plain data (an assigned ``forward``, a callable, an object)."""
-    g = torch.nn.modules.module
-    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks"):
-        if getattr(g, kind, None):
-            raise _NotFingerprintable(f"a global forward hook (torch.nn.modules.module.{kind})")
-    weights, modules, configs = [], [], {}
-    for name, mod in model.named_modules():  # one walk (parameters() and buffers() walk again)
-        where = f"model.{name}" if name else "model"
-        if mod._forward_hooks or mod._forward_pre_hooks:
-            raise _NotFingerprintable(f"a forward hook on {where}")
-        for t in itertools.chain(mod._parameters.values(), mod._buffers.values()):
-            if t is not None:
-                weights.append(tensor_key(t))
-        attrs = []
-        caches = getattr(type(mod), "function_independent_attrs", ())  # e.g. PackedLinear's pack
-        for k, v in vars(mod).items():
-            if k in _MODULE_INTERNALS or k.startswith("_vegas") or k in caches:  # _vegas*: patched() bookkeeping
-                continue
-            if k == "forward" and "_vegas_dw_users" in vars(mod):  # draft weights' wrapper: the original outside drafts
-                continue
-            if k == "generation_config" or k == "config":  # decoding options / snapshot below
-                if k == "config" and id(v) not in configs:
-                    configs[id(v)] = _config_snapshot(v, f"{where}.config")
-                continue
-            attrs.append((k, _plain(v, f"{where}.{k}")))
-        modules.append((name, type(mod), tuple(attrs)))
-    first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    dev = first.device.type if first is not None else "cpu"
-    try:
-        amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-    except (RuntimeError, TypeError, AttributeError):
-        amp = None
-    return {"weights": tuple(weights), "modules": tuple(modules), "config": tuple(sorted(configs.values(), key=repr)),
-            "torch": (torch.get_float32_matmul_precision(), amp)}
-
-
-def _prefill_cache_mismatch(pc: dict, model) -> Optional[str]:
-    """None if ``pc``'s K/V were computed by ``model`` as it is now, else why not: ``"other model"``,
-    ``"model changed: <parts>"`` (:func:`_model_fingerprint`'s parts that differ) or
-    ``"not fingerprintable: <what>"``."""
-    ref = pc.get("model")
-    if ref is None or ref() is not model:
-        return "other model"
-    try:
-        now = _model_fingerprint(model)
-    except _NotFingerprintable as e:
-        return f"not fingerprintable: {e}"
-    old = pc.get("fingerprint") or {}
-    changed = [k for k in now if old.get(k) != now[k]]
-    return f"model changed: {', '.join(changed)}" if changed else None
-
-
-def prefill_cache_is_for(pc: dict, model) -> bool:
-    """Whether ``pc`` (a ``generate(prefill_cache=...)`` dict) was filled by ``model`` as it is
-    now: the same object (weak reference) computing the same function: same weights, dtype and
-    device, module attributes, config and matmul precision (:func:`_model_fingerprint`). A model
-    with forward hooks (or anything else the fingerprint cannot capture) never matches."""
-    return _prefill_cache_mismatch(pc, model) is None
-
-
-def _store_prefill(state: DecodeState, pc: dict, ids: Tensor) -> None:
-    """Keep the prefill K/V of ``ids`` ``[B, t]`` in ``pc`` for later calls of the same model;
-    nothing is stored when the model cannot be fingerprinted (``state.prefill_miss`` says why)."""
-    try:
-        fp = _model_fingerprint(state.settings.model)
-    except _NotFingerprintable as e:
-        state.prefill_miss = f"not fingerprintable: {e}"
-        return
-    t = ids.shape[1]
-    pc["model"] = weakref.ref(state.settings.model)
-    pc["fingerprint"] = fp
-    pc["ids"] = ids.clone()
-    pc["k"] = [cl.keys[:, :, :t].clone() for cl in state.cache.layers]
-    pc["v"] = [cl.values[:, :, :t].clone() for cl in state.cache.layers]
 
 
 def select(state: DecodeState) -> None:
@@ -747,29 +591,6 @@ def _check_options(**options) -> dict:
     return config.check_generate_options(options, algorithms=SELECTION_ALGORITHMS)
 
 
-def _check_prefill_cache(pc) -> None:
-    """``prefill_cache`` is ``None`` or a dict this function filled (or empty): the entries it
-    reads have the types it stores, so a foreign dict fails here naming it, not deep in the copy."""
-    if pc is None:
-        return
-    if not isinstance(pc, dict):
-        raise config.OptionTypeError(f"prefill_cache must be a dict or None, got {type(pc).__name__}")
-    ids = pc.get("ids")
-    if ids is not None and not (isinstance(ids, Tensor) and ids.dim() == 2):
-        raise config.OptionTypeError(
-            f"prefill_cache['ids'] must be a [B, t] tensor (as a previous generate call stored), "
-            f"got {type(ids).__name__}")
-    for key in ("k", "v"):
-        kv = pc.get(key)
-        if kv is not None and not (isinstance(kv, (list, tuple)) and all(isinstance(t, Tensor) for t in kv)):
-            raise config.OptionTypeError(
-                f"prefill_cache[{key!r}] must be a list of tensors (as a previous generate call stored), "
-                f"got {type(kv).__name__}")
-    ref = pc.get("model")
-    if ref is not None and not callable(ref):
-        raise config.OptionTypeError(f"prefill_cache['model'] must be a weak reference, got {type(ref).__name__}")
-
-
 def _check_model(model) -> None:
     """``model`` is a Hugging Face causal LM (``*ForCausalLM``: a generation config and an output
     head) of a supported ``config.model_type``; else an error naming ``model`` (a ``TypeError``,
@@ -801,8 +622,7 @@ def _left_padded_prompts(model, input_ids, attention_mask, streamer, hf_semantic
     if streamer is not None and B != 1:
         raise ValueError("streamer supports batch size 1 only")
 
-    p0 = next(model.parameters())
-    device = p0.device
+    device = model_device(model)  # an offloaded model's parameters are on meta: its hooks' device
     input_ids = input_ids.to(device=device, dtype=torch.long)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -1081,7 +901,7 @@ def generate(
         query_weights=query_weights, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
         return_cache=return_cache,
     )
-    _check_prefill_cache(prefill_cache)
+    prefill_cache_mod.check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
     _check_call_args(model, draft_weights, logits_processor, stopping_criteria)
     hf_semantics = config.check_bool(hf_semantics, "hf_semantics")
@@ -1106,7 +926,7 @@ def generate(
         streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         prompt_ids=input_ids, pad_token_id=pad_token_id,
         # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
-        draft_weights=draft_weights_for(model, draft_weights) if plan.strategy.drafts and draft_weights else None,
+        draft_weights=_draft_copies(model, draft_weights) if plan.strategy.drafts and draft_weights else None,
     )
     filler = pad_token_id if 0 <= pad_token_id < int(model.config.vocab_size) else 0
     aligned = _left_aligned(input_ids, keep, prompt_lens, filler)
@@ -1131,6 +951,13 @@ def generate(
     stats = _collect_stats(state, config_used, t_total, inline_pre, reused=reused, prefill_cache=prefill_cache)
     sequences = torch.cat([input_ids, state.new_tokens[:, : int(state.n_gen_all.max())]], 1)
     return GenerateOutput(sequences=sequences, stats=stats, cache=state.cache if return_cache else None)
+
+
+def _draft_copies(model, draft_weights):
+    """The model's :class:`~vegas_ext.draft_weights.DraftWeights` for ``draft_weights``, or ``None``
+    where it holds no copy (every linear offloaded to the meta device: the drafts read the model's own)."""
+    dw = draft_weights_for(model, draft_weights)
+    return dw if dw.num_linears else None
 
 
 def _check_call_args(model, draft_weights, logits_processor, stopping_criteria) -> None:
