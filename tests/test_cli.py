@@ -210,6 +210,8 @@ BAD = {
     "refresh_zero": (["--refresh-interval", "0"], "refresh-interval"),
     "bad_query_weights": (["--query-weights", "middle"], "query-weights"),
     "bad_device": (["--device", "gpu"], "--device"),
+    "unknown_draft_weights": (["--draft-weights", "int3"], "--draft-weights"),
+    "model_not_gguf": (["--model", os.path.abspath(__file__), "--prompt", "hi"], "not a .gguf file"),
     "json_prompt_ids_without_json": (["--json-prompt-ids"], "--json"),
 }
 
@@ -730,6 +732,129 @@ def test_draft_weights_int4_is_refused_in_one_line(tiny_model_dir, capsys):
                             "--no-progress", "--draft-weights", "int4"], capsys)
     line = _assert_one_line_error(rc, out, err)
     assert "int4" in line and "60-61 %" in line
+
+
+def test_help_offers_only_choices_that_work():
+    """Every value --help lists for a flag passes the checks: --draft-weights offered int4, refused
+    only after torch and the model had loaded."""
+    import argparse
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["generate"]
+    with_choices = [a for a in sub._actions if a.choices]
+    assert {a.option_strings[0] for a in with_choices} >= {"--draft-weights", "--query-weights"}
+    for action in with_choices:
+        for value in action.choices:
+            cli._validate(parser.parse_args(["generate", action.option_strings[0], value]))
+    dw = next(a for a in with_choices if a.option_strings[0] == "--draft-weights")
+    assert tuple(dw.choices) == ("none", "fp16", "int8")
+    assert "int4" not in sub.format_help()
+
+
+def test_bad_choices_and_model_paths_fail_before_torch_loads(tmp_path):
+    """A refused or unknown --draft-weights and a --model path that cannot be a model answer at
+    argument checking, naming the flag, with torch never imported (they took 30-40 s: the model
+    loaded first)."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    probe = ("import sys, vegas_ext_cli\n"
+             "for argv in sys.argv[1:]:\n"
+             "    try:\n        rc = vegas_ext_cli.main(argv.split('|'))\n    except SystemExit as e:\n"
+             "        rc = e.code\n    print('RC', rc, file=sys.stderr)\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    cases = {
+        "generate|--draft-weights|int4": ["--draft-weights", "'int4' is not supported", "60-61 %"],
+        "generate|--draft-weights|int3": ["--draft-weights", "invalid choice: 'int3'", "'none', 'fp16', 'int8')"],
+        f"generate|--model|{tmp_path}/no-such-folder": ["--model", "not found", "no-such-folder"],
+        f"generate|--model|{tmp_path}/notes.txt": ["--model", "not a .gguf file"],
+        f"generate|--model|{tmp_path}/none.gguf": ["--model", "not found"],
+        f"generate|--model|{tmp_path}": ["--model", "no config.json"],
+    }
+    r = subprocess.run([sys.executable, "-c", probe, *cases], capture_output=True, text=True,
+                       env=_subprocess_env(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout  # nothing heavy was imported
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 * len(cases), r.stderr
+    for (argv, needles), err, rc in zip(cases.items(), lines[::2], lines[1::2]):
+        assert rc == "RC 2" and err.startswith("vegas: error: "), (argv, err, rc)
+        assert all(n in err for n in needles), (argv, err)
+
+
+def _corrupt(folder, name: str, how: str) -> None:
+    path = os.path.join(folder, name)
+    if how == "truncate":
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+    elif how == "garbage":
+        with open(path, "wb") as f:
+            f.write(b"\x00garbage" * 50)
+    elif how == "empty":
+        open(path, "wb").close()
+    elif how == "drop_weight":  # a checkpoint without one tensor: transformers fills it with random values
+        from safetensors.torch import load_file, save_file
+
+        t = load_file(path)
+        t.pop("model.layers.0.mlp.down_proj.weight")
+        save_file(t, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name,how,needle", [
+    ("model.safetensors", "garbage", "SafetensorError"),
+    ("model.safetensors", "truncate", "SafetensorError"),
+    ("model.safetensors", "empty", "SafetensorError"),
+    ("model.safetensors", "drop_weight", "lacks 1 weight(s) the model needs (model.layers.0.mlp.down_proj.weight)"),
+    ("config.json", "garbage", "config"),
+    ("tokenizer.json", "truncate", "JSONDecodeError"),
+    ("tokenizer_config.json", "garbage", "JSONDecodeError"),
+])
+def test_corrupt_model_folder_is_one_line_error(tiny_model_dir, tmp_path, capsys, name, how, needle):
+    """Any unreadable file of a model folder: `vegas: error:` naming the folder, the cause and what
+    to do, exit status 2 (a corrupt model.safetensors gave a traceback and exit 1)."""
+    import shutil
+
+    folder = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir, folder)
+    _corrupt(folder, name, how)
+    rc, out, err = run_cli(["generate", "--model", folder, "--prompt", "the man", "--max-new-tokens", "2",
+                            "--no-progress"], capsys)
+    line = _assert_one_line_error(rc, out, err)
+    assert rc == 2 and f"cannot load the model folder {folder}: " in line and needle in line, line
+    assert "download or save the model again" in line, line
+    with pytest.raises(ValueError, match="^cannot load the model folder"):  # the library says the same
+        models.load_model(folder)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncate_header", "truncate", "empty"])
+def test_corrupt_gguf_file_is_one_line_error(tmp_path, capsys, monkeypatch, how):
+    """A GGUF file that cannot be read or converted (struct.error, numpy's reshape ValueError, ...)."""
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "broken.gguf"
+    with open(models.default_model_path(), "rb") as f:
+        data = f.read(1 << 20 if how == "truncate" else 64)
+    path.write_bytes({"garbage": b"GARBAGE!" * 100, "truncate_header": data[:64], "truncate": data,
+                      "empty": b""}[how])
+    rc, out, err = run_cli(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2",
+                            "--no-progress"], capsys)
+    line = _assert_one_line_error(rc, out, err)
+    assert rc == 2 and f"cannot read the GGUF file {path}: " in line and "download it again" in line, line
+    assert not os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else True  # nothing half-cached
+
+
+def test_corrupt_gguf_conversion_cache_names_the_folder_to_delete(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A damaged cached conversion of a GGUF file: the error says which folder to delete."""
+    import shutil
+
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not read: the cache is complete")
+    cached = models.gguf_cache_path(str(gguf))
+    shutil.copytree(tiny_model_dir, cached)
+    _corrupt(cached, "model.safetensors", "truncate")
+    rc, out, err = run_cli(["generate", "--model", str(gguf), "--prompt", "hi", "--no-progress"], capsys)
+    line = _assert_one_line_error(rc, out, err)
+    assert f"cached in {cached}" in line and "delete that folder" in line, line
 
 
 @pytest.mark.parametrize("options", [{"repetition_penalty": 3.0}, {"suppress_tokens": list(range(10, 20))},

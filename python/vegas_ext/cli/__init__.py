@@ -31,6 +31,7 @@ from .arguments import (
     CLIError,
     _validate as _validate,
     build_parser,
+    check_model_flag,
 )
 from .common import _eprint
 from .compare import (
@@ -62,7 +63,11 @@ def cmd_generate(args) -> int:
     """Runs ``vegas generate`` with parsed ``args`` (left unchanged); returns the exit status.
     Raises :class:`CLIError` for bad input."""
     opts = _validate(args)  # a checked copy: gamma as an int, the algorithm's block size
-    prompts = _read_prompts(opts)  # before the (slow) imports and model load, so a bad file fails fast
+    # the inputs before the (slow) imports and model load, so a bad file or path fails fast; the
+    # default document last (reading it imports the package, and so torch)
+    prompts = _read_prompts(opts) if opts.prompt or opts.prompt_file is not None else None
+    check_model_flag(opts)
+    prompts = prompts or _read_prompts(opts)
     show = not opts.no_progress
     if show:
         _eprint("vegas: starting (importing torch and transformers) ...")

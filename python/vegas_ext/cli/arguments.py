@@ -7,17 +7,21 @@ checked copy. Both run before torch is imported, so ``--help`` and a bad flag an
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Any, Dict, Optional
 
 from ..config import (
     ALGORITHMS,
     DEFAULT_BLOCK_SIZE,
+    DRAFT_WEIGHTS,
     INT64_MAX,
     MAX_BATCH_SIZE,
     OPTIONS,
+    REFUSED_DRAFT_WEIGHTS,
     check_generate_options,
     check_int,
+    check_model_path,
     check_seed,
 )
 
@@ -60,6 +64,18 @@ def _int(name):
             raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}")
         return v
     return parse
+
+
+#: ``--draft-weights`` values: :data:`vegas_ext.config.DRAFT_WEIGHTS`, ``None`` spelled ``none``.
+DRAFT_WEIGHT_FLAGS = tuple("none" if v is None else v for v in DRAFT_WEIGHTS)
+
+
+def _draft_weights(s: str) -> str:
+    """argparse type of ``--draft-weights``: a measured-and-refused value (int4) fails here with
+    its reason, before argparse's generic "invalid choice"."""
+    if s in REFUSED_DRAFT_WEIGHTS:
+        raise argparse.ArgumentTypeError(f"{s!r} is not supported: {REFUSED_DRAFT_WEIGHTS[s]}")
+    return s
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,11 +156,11 @@ def _selection_flags(d) -> None:
                    help="vegas: verification queries that score blocks: all (default) or first_last (the authors')")
     d.add_argument("--refresh-interval", type=_int("--refresh-interval"), default=1,
                    help="vegas: re-select the draft blocks only every N iterations (SparseSpec; default 1)")
-    d.add_argument("--draft-weights", choices=("none", "fp16", "int8", "int4"), default="int8",
+    d.add_argument("--draft-weights", type=_draft_weights, choices=DRAFT_WEIGHT_FLAGS, default="int8",
                    help="weights of the draft forwards' linears: int8 (default: weight-only, groups of 64), "
                         "fp16, or none (the model's own): a low-precision copy made once; verification keeps "
-                        "the model's weights, so the output is unchanged (int4 is refused: too inaccurate). "
-                        "int8 drafted fastest: docs/draft_weights.md")
+                        "the model's weights, so the output is unchanged. int8 drafted fastest: "
+                        "docs/draft_weights.md")
 
 
 def _sampling_flags(d) -> None:
@@ -208,6 +224,17 @@ def _check_decode_options(args, gamma) -> None:
         check_int(args.batch_size, "--batch-size", 1, MAX_BATCH_SIZE)
     if args.seed is not None:
         check_seed(args.seed, "--seed")
+
+
+def check_model_flag(args) -> None:
+    """``--model`` as far as it can be checked without torch (a missing path, a file that is not
+    ``.gguf``, a folder that is no model): :class:`CLIError` naming the flag, seconds before the
+    imports and the load would fail on it."""
+    if args.model is not None:
+        try:
+            check_model_path(os.path.expanduser(args.model))
+        except ValueError as e:
+            raise CLIError(f"--model: {e}") from None
 
 
 def _check_cli_flags(args) -> None:
