@@ -190,7 +190,7 @@ def check_draft_weights(v: Any, name: str = "draft_weights") -> Optional[str]:
     sv = _str_value(v)
     if sv in REFUSED_DRAFT_WEIGHTS:
         raise ValueError(f"{name}={sv!r} is not supported: {REFUSED_DRAFT_WEIGHTS[sv]}")
-    if isinstance(v, bool) or (v is not None and sv is None) or (v is not None and sv not in DRAFT_WEIGHTS):
+    if isinstance(v, bool) or (v is not None and (sv is None or sv not in DRAFT_WEIGHTS)):
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in DRAFT_WEIGHTS)}, got {_describe(v)}")
     return sv
 
