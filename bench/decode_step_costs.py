@@ -42,9 +42,9 @@ from transformers import DynamicCache
 
 from bench.common import add_pack_linears_flag, pack_linears, sync
 from vegas_ext import models
+from vegas_ext.attention import AttentionState, patched
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import SelectionConfig, SelectionContext, VegasSelection, _cache_kwarg
-from vegas_ext.hf import AttentionState, patched
 
 #: random-weight model shapes (``--model-config``); ``tiny`` is for a smoke test
 MODEL_CONFIGS = {

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vegas_ext
-from vegas_ext.hf import is_patched, patch_model, patched, unpatch_model
+from vegas_ext.attention import is_patched, patch_model, patched, unpatch_model
 
 from decode_utils import first_diff, hf_greedy, make_model, make_prompts
 

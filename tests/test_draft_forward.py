@@ -7,10 +7,10 @@ import torch
 
 import vegas_ext
 from vegas_ext import draft_forward, ops, reference
+from vegas_ext.attention import AttentionState, patched
 from vegas_ext.cache import VegasCache
 from vegas_ext.decode import _cache_kwarg
 from vegas_ext.draft_weights import draft_weights_for
-from vegas_ext.hf import AttentionState, patched
 
 from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_prompts
 

@@ -8,8 +8,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import vegas_ext
-from vegas_ext import hf
-from vegas_ext.hf import check_model_supported, is_patched, patch_model, patched, unpatch_model
+from vegas_ext import attention
+from vegas_ext.attention import check_model_supported, is_patched, patch_model, patched, unpatch_model
 
 from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 
@@ -58,8 +58,8 @@ def test_attention_function_and_mask_are_registered():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    assert AttentionInterface._global_mapping["vegas"] is hf.vegas_attention_forward
-    assert AttentionMaskInterface._global_mapping["vegas"] is hf.vegas_attention_mask
+    assert AttentionInterface._global_mapping["vegas"] is attention.vegas_attention_forward
+    assert AttentionMaskInterface._global_mapping["vegas"] is attention.vegas_attention_mask
 
 
 def test_sliding_window_configs_are_refused():

@@ -219,10 +219,10 @@ def test_vllm_budget_is_the_loop_budget():
 
 
 def test_lists_are_defined_once():
-    from vegas_ext import hf, selection
+    from vegas_ext import attention, selection
     from vegas_ext.vllm import options
 
-    assert hf.SUPPORTED_MODEL_TYPES is config.SUPPORTED_MODEL_TYPES is options.SUPPORTED_MODEL_TYPES
+    assert attention.SUPPORTED_MODEL_TYPES is config.SUPPORTED_MODEL_TYPES is options.SUPPORTED_MODEL_TYPES
     assert cli.ALGORITHMS is config.ALGORITHMS and options.ALGORITHMS is config.VLLM_ALGORITHMS
     public = {n: c for n, c in selection.SELECTION_ALGORITHMS.items() if not n.startswith("_")}
     assert sorted(public) == sorted(config.ALGORITHMS)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vegas_ext
-from vegas_ext.hf import EXACT_ROPE_TYPES, SUPPORTED_ROPE_TYPES, check_model_supported
+from vegas_ext.attention import EXACT_ROPE_TYPES, SUPPORTED_ROPE_TYPES, check_model_supported
 
 from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
 

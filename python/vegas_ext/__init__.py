@@ -36,7 +36,7 @@ _EXPORTS = {
     "release": "model_state",
 }
 # submodules loaded on first use (the ops are loaded above)
-_TORCH_SUBMODULES = {"reference", "cache", "hf", "decode", "selection"}
+_TORCH_SUBMODULES = {"reference", "cache", "attention", "hf", "decode", "selection", "prefill_cache", "model_state"}
 # names whose use must also see every selection algorithm registered
 _NEEDS_ALL_ALGORITHMS = {"generate", "GenerateOutput", "decode", "selection"}
 

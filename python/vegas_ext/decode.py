@@ -36,10 +36,10 @@ from torch import Tensor
 
 from . import config, prefill_cache as prefill_cache_mod
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
+from .attention import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
 from .cache import VegasCache, model_device
 from .draft_forward import lean_draft
 from .draft_weights import check_draft_weights, draft_weights_for
-from .hf import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
 from .selection import (
     SELECTION_ALGORITHMS,
     FullAttention,
@@ -770,7 +770,7 @@ def generate(
     Args:
         model: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
             ``MistralForCausalLM`` (patched to the ``"vegas"`` attention for the call, restored
-            after; see :mod:`vegas_ext.hf`).
+            after; see :mod:`vegas_ext.attention`).
         input_ids: ``[B, T]`` int64 prompts, left padded.
         attention_mask: ``[B, T]`` 0/1, ones contiguous at the right end of each row (left padding);
             default all ones.

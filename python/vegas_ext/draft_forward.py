@@ -125,7 +125,7 @@ class LeanDraft:
     """The draft forward of one model with one set of draft weights (build with :func:`lean_draft`).
 
     Call it as ``lean(ids, pos, state)``: ``ids`` / ``pos`` ``[B, Q]`` int64 tokens and positions,
-    ``state`` the active :class:`~vegas_ext.hf.AttentionState` in ``"draft"`` mode with
+    ``state`` the active :class:`~vegas_ext.attention.AttentionState` in ``"draft"`` mode with
     ``state.cache.begin_forward(Q, ...)`` done; returns the logits of the last position,
     ``[B, 1, V]`` float32, and writes each layer's K/V of the new tokens into the cache (the
     state's ``write_hook`` and ``draft_hook`` are honoured per layer as the attention wrapper does).

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import config, ops
-from .hf import AttentionState
+from .attention import AttentionState
 
 if TYPE_CHECKING:
     from .cache import VegasCache
