@@ -137,8 +137,7 @@ def fingerprint(model) -> dict:
         attrs = []
         caches = getattr(type(mod), "function_independent_attrs", ())  # e.g. PackedLinear's pack
         for k, v in vars(mod).items():
-            # _vegas*: attention.patched()'s bookkeeping (older builds) while a call runs
-            if k in _MODULE_INTERNALS or k in caches or k.startswith("_vegas") or _is_draft_wrapper(mod, k):
+            if k in _MODULE_INTERNALS or k in caches or _is_draft_wrapper(mod, k):
                 continue
             if k == "generation_config" or k == "config":  # decoding options / snapshot below
                 if k == "config" and id(v) not in configs:
