@@ -8,7 +8,7 @@ random K/V per row, then times single forwards, interleaved and repeated, keepin
 * ``full_step``: our plain step (``verify_attention`` with Q=1; the ``"full"`` algorithm),
 * ``draft_step``: one draft token over the selected budget (``sparse_draft_attention``), as the
   decode loop runs it: through the lean draft forward (``vegas_ext.draft_forward``) where it
-  applies (``VEGAS_LEAN_DRAFT=0``: the model's own forward; the record's ``lean_draft`` says which),
+  applies (the record's ``lean_draft`` says which),
 * ``verify``: the verification of gamma+1 tokens (``verify_attention``),
 * ``select``: one ``block_topk`` over all layers,
 * ``draft_step_fp16`` / ``draft_step_int8`` (``--draft-weights fp16,int8``): the draft step with
@@ -208,10 +208,8 @@ def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
 
 
 def lean_drafts(model, dws: dict) -> dict:
-    """The lean draft forward per draft weights (``None``: the model's own linears) where it applies
-    and ``VEGAS_LEAN_DRAFT`` is not 0, as the decode loop drafts; ``{}`` for a tree without one."""
-    if os.environ.get("VEGAS_LEAN_DRAFT", "1") == "0":
-        return {}
+    """The lean draft forward per draft weights (``None``: the model's own linears) where it applies,
+    as the decode loop drafts; ``{}`` for a tree without one."""
     try:  # vegas_ext.draft_forward; older trees (A/B runs, bench/ab_step_costs.py) have none
         from vegas_ext.draft_forward import lean_draft
     except ImportError:

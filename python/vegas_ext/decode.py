@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -346,11 +345,10 @@ def draft(state: DecodeState, g: int):
 def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
     """``(ids [B, 1], pos [B, 1]) -> logits [B, 1, V]`` of a draft step: the lean forward of
     :mod:`vegas_ext.draft_forward` where it reproduces the model (fewer ops per layer; drafts only,
-    so the output is unchanged), else the model's own. ``VEGAS_LEAN_DRAFT=0`` turns it off."""
+    so the output is unchanged), else the model's own."""
     cfg = state.settings
     if cfg.lean_draft is None:  # fixed for the call, built where the draft weights are installed
-        on = os.environ.get("VEGAS_LEAN_DRAFT", "1") != "0"
-        cfg.lean_draft = (lean_draft(cfg.model, cfg.draft_weights) if on else None) or False
+        cfg.lean_draft = lean_draft(cfg.model, cfg.draft_weights) or False
     lean, st = cfg.lean_draft, state.attn
     if lean is False:
         return lambda ids, pos: state.forward(ids, pos, 1)
