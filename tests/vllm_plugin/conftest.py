@@ -24,3 +24,13 @@ def tokenizer(smollm_dir):
     return AutoTokenizer.from_pretrained(smollm_dir)
 
 
+
+
+def pytest_terminal_summary(terminalreporter):
+    from vllm_utils import PROCESSES
+
+    if PROCESSES:
+        terminalreporter.write_line(f"vLLM processes started: {len(PROCESSES)}, "
+                                    f"{sum(s for _, s in PROCESSES):.0f} s in all")
+        for what, s in PROCESSES:
+            terminalreporter.write_line(f"  {s:6.1f} s  {what}")

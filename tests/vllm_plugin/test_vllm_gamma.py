@@ -12,7 +12,7 @@ pytest.importorskip("vllm")  # the main suite runs without vLLM
 
 from vegas_ext.vllm import speculative_config  # noqa: E402
 
-from vllm_utils import BASE_LLM, run_llm, text_prompts, tiny_llama_dir  # noqa: E402
+from vllm_utils import BASE_LLM, construction_error, run_llm, text_prompts, tiny_llama_dir  # noqa: E402
 
 GAMMA = 5
 NEW = 40
@@ -90,6 +90,5 @@ def test_auto_goes_plain_where_drafts_fail_and_skips_scoring(smollm_dir, tmp_pat
 
 def test_bad_gamma_policy_fails_at_construction(smollm_dir):
     spec = dict(speculative_config(num_speculative_tokens=4), gamma_policy="sometimes")
-    r = run_llm({"llm": dict(BASE_LLM, model=smollm_dir, max_model_len=2048, speculative_config=spec),
-                 "prompts": [[1, 2, 3]]})
-    assert "error" in r and "gamma_policy must be one of" in r["error"], r.get("error")
+    err = construction_error(dict(BASE_LLM, model=smollm_dir, max_model_len=2048, speculative_config=spec))
+    assert err is not None and "gamma_policy must be one of" in err, err

@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from vegas_ext.vllm.compat import SUPPORTED_RANGE, TESTED
 
-from vllm_utils import ENV, HERE, tiny_llama_dir
+from vllm_utils import ENV, HERE, record_process, tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +24,10 @@ def tiny_dir(smollm_dir, tmp_path_factory):
 def probe(mode, model):
     env = dict(os.environ, **ENV)
     env.pop("VLLM_PLUGINS", None)  # the entry point must load
+    t0 = time.perf_counter()
     p = subprocess.run([sys.executable, os.path.join(HERE, "guard_probe.py"), mode, model], env=env,
                        capture_output=True, text=True, timeout=600)
+    record_process(f"guard_probe {mode}", t0)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("GUARD_PROBE ")]
     assert p.returncode == 0 and lines, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(lines[-1][len("GUARD_PROBE "):])

@@ -2,8 +2,9 @@
 metrics, draft sparsity, bad input at construction, sampled continuations against the model's exact
 law (and the fix of vLLM's CPU expand kernel that needs), tensor parallelism.
 
-Each engine runs in its own process (conftest.run_llm). The stock engine is the same vLLM with the
-plugin filtered out of every process (``VLLM_PLUGINS=""``)."""
+Each engine runs in its own process (vllm_utils.run_llm); the configurations that must fail at
+``LLM(...)`` are tried in the test process (vllm_utils.construction_error). The stock engine is the
+same vLLM with the plugin filtered out of every process (``VLLM_PLUGINS=""``)."""
 import glob
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 
 from vegas_ext.vllm import speculative_config
 
-from vllm_utils import BASE_LLM, run_llm, text_prompts, tiny_llama_dir
+from vllm_utils import BASE_LLM, construction_error, run_llm, text_prompts, tiny_llama_dir
 
 GAMMA = 6
 LENGTHS = [1024, 2500, 4000, 6000]
@@ -198,11 +199,10 @@ def test_token_drafts_are_sparse(greedy_runs):
     assert s["pages_read"] == 0  # no compacted tables
 
 
-def _expect_construction_error(cfg, pattern):
-    r = run_llm(cfg)
-    assert "error" in r, "LLM(...) accepted a bad configuration"
-    assert pattern in r["error"], r["error"]
-    return r
+def _expect_construction_error(llm_kwargs, pattern):
+    err = construction_error(llm_kwargs)  # in this process: LLM(...) raises before it starts an engine
+    assert err is not None, "LLM(...) accepted a bad configuration"
+    assert pattern in err, err
 
 
 @pytest.mark.parametrize("bad, pattern", [
@@ -212,8 +212,7 @@ def _expect_construction_error(cfg, pattern):
 ])
 def test_bad_options_fail_at_construction(smollm_dir, bad, pattern):
     spec = dict(speculative_config(num_speculative_tokens=4), **bad)
-    _expect_construction_error({"llm": dict(BASE_LLM, model=smollm_dir, max_model_len=2048,
-                                            speculative_config=spec), "prompts": [[1, 2, 3]]}, pattern)
+    _expect_construction_error(dict(BASE_LLM, model=smollm_dir, max_model_len=2048, speculative_config=spec), pattern)
 
 
 def test_unsupported_model_type_fails_at_construction(tmp_path, smollm_dir):
@@ -226,9 +225,9 @@ def test_unsupported_model_type_fails_at_construction(tmp_path, smollm_dir):
     cfg = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=1, n_head=2, n_positions=512)
     GPT2LMHeadModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
-    _expect_construction_error({"llm": dict(BASE_LLM, model=path, max_model_len=512,
-                                            speculative_config=speculative_config(num_speculative_tokens=4)),
-                                "prompts": [[1, 2, 3]]}, "model type 'gpt2' is not supported")
+    _expect_construction_error(dict(BASE_LLM, model=path, max_model_len=512,
+                                    speculative_config=speculative_config(num_speculative_tokens=4)),
+                               "model type 'gpt2' is not supported")
 
 
 def test_cpu_expand_kernel_fix():

@@ -10,7 +10,7 @@ import urllib.request
 
 from vegas_ext.vllm import speculative_config
 
-from vllm_utils import ENV, text_prompts
+from vllm_utils import ENV, record_process, text_prompts
 
 
 def _free_port():
@@ -30,6 +30,7 @@ def _serve_and_complete(model, prompt, extra_args, plugin, timeout=600):
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
            "--max-model-len", "4096",
            "--seed", "0"] + extra_args
+    t_start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
@@ -62,6 +63,7 @@ def _serve_and_complete(model, prompt, extra_args, plugin, timeout=600):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        record_process(f"vllm serve {'plugin' if plugin else 'stock'}", t_start)
 
 
 def test_serve_completion_identical(smollm_dir, tokenizer):

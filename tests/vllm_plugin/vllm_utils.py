@@ -1,18 +1,27 @@
 """Helpers of the vLLM plugin tests and of bench/vllm_e2e.py (run in a venv with vLLM, see scripts/test_vllm.sh).
 
 Every engine runs in its own process through ``run_llm.py``; ``plugin=False`` sets
-``VLLM_PLUGINS=""`` there, so no vLLM process loads the plugin (the stock engine)."""
+``VLLM_PLUGINS=""`` there, so no vLLM process loads the plugin (the stock engine). Configurations that
+must fail at ``LLM(...)`` are checked in the test process (``construction_error``): no engine starts."""
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # small CPU engines: fp32, eager, 32-token pages, 1 GiB of KV cache
 BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, disable_log_stats=False, seed=0)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "VLLM_LOGGING_LEVEL": "WARNING"}
+# (what, wall seconds) of every vLLM process the tests started; conftest prints them at the end
+PROCESSES = []
+
+
+def record_process(what, t0):
+    """Note a vLLM process started at ``time.perf_counter()`` ``t0`` (the session's summary lists them)."""
+    PROCESSES.append((what, time.perf_counter() - t0))
 
 
 def run_llm(cfg, *, plugin=True, env=None, timeout=900):
@@ -24,14 +33,33 @@ def run_llm(cfg, *, plugin=True, env=None, timeout=900):
         e = dict(os.environ, **ENV, **(env or {}))
         if not plugin:
             e["VLLM_PLUGINS"] = ""
+        t0 = time.perf_counter()
         p = subprocess.run([sys.executable, os.path.join(HERE, "run_llm.py"), cp, op], env=e, timeout=timeout,
                            capture_output=True, text=True)
+        record_process(f"run_llm {'plugin' if plugin else 'stock'} {os.path.basename(cfg['llm']['model'])}", t0)
         if not os.path.exists(op):
             raise AssertionError(f"run_llm.py failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
         with open(op) as f:
             res = json.load(f)
         res["log"] = p.stderr[-6000:]
         return res
+
+
+def construction_error(llm_kwargs):
+    """``LLM(**llm_kwargs)`` in this process, for a configuration that must fail before any engine starts:
+    the error as ``"Type: message"`` (as run_llm.py reports it), or None if ``LLM(...)`` accepted it (the
+    engine it started is shut down). ``LLM(...)`` validates its arguments, the plugin's options included
+    (its ``EngineArgs.create_speculative_config`` hook, loaded through the entry point as in any vLLM
+    process), in ``EngineArgs.create_engine_config`` before it starts an engine process, so a fresh
+    process of its own (run_llm) would check nothing more."""
+    from vllm import LLM
+
+    try:
+        llm = LLM(**llm_kwargs)
+    except Exception as e:  # the bad-input tests look at this message
+        return f"{type(e).__name__}: {e}"
+    llm.llm_engine.engine_core.shutdown()
+    return None
 
 
 def text_prompts(tokenizer, lengths, doc="pride_and_prejudice"):
