@@ -27,9 +27,10 @@ import torch
 
 from bench.common import add_pack_linears_flag, pack_linears
 from bench.e2e import build_batch
-from vegas_ext import decode, generate, speculation
+from vegas_ext import generate, speculation
 from vegas_ext.models import load_model
 
+_ORIGINAL_AUTO = speculation.AutoGamma
 
 def _policy_class(kwargs: dict):
     """``AutoGamma`` with ``kwargs`` bound, as a subclass (``generate`` checks its type)."""
@@ -76,14 +77,14 @@ def run_one(model, ids, mask, variant, max_new_tokens, prefill_cache):
     if variant is None:
         kw.update(sparse_attn_algorithm="full", num_speculative_tokens=0)
     elif isinstance(variant, int):
-        kw.update(num_speculative_tokens=variant)
+        kw.update(num_speculative_tokens=variant, gamma_policy="fixed")
     else:
         kw.update(num_speculative_tokens="auto")
-        decode.AutoGamma = _policy_class(variant)
+        speculation.AutoGamma = _policy_class(variant)
     try:
         return generate(model, ids, mask, max_new_tokens=max_new_tokens, **kw)
     finally:
-        decode.AutoGamma = speculation.AutoGamma
+        speculation.AutoGamma = _ORIGINAL_AUTO
 
 
 def main(argv=None):

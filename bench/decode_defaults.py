@@ -105,7 +105,7 @@ def main(argv=None):
     for i in picks:
         v = dict(VARIANTS[i])
         t0 = time.perf_counter()
-        out = vegas_ext.generate(model, ids, num_speculative_tokens=args.gamma, **v, **common)
+        out = vegas_ext.generate(model, ids, num_speculative_tokens=args.gamma, gamma_policy="fixed", **v, **common)
         emit(variant_record(args, v, out, full, t_plain, time.perf_counter() - t0))
 
 

@@ -85,7 +85,7 @@ def main():
         pc, runs = {}, {}
         for kind in (None, "fp16", "int8"):
             out = generate(model, ids, mask, max_new_tokens=args.new, num_speculative_tokens=args.gamma,
-                           eos_token_id=[], prefill_cache=pc, draft_weights=kind)
+                           gamma_policy="fixed", eos_token_id=[], prefill_cache=pc, draft_weights=kind)
             s = out.stats
             runs[str(kind)] = {"mal": s["mean_acceptance_length"], "acceptance_rate": s["draft_acceptance_rate"],
                                "accepted_per_pos": s["num_accepted_tokens_per_pos"], "drafts": s["num_drafts"],

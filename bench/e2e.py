@@ -447,7 +447,8 @@ class Harness:
             return run_hf(self.model, ids, mask, max_new, self.pad_id, prefill_cache=pc)
         g = c["num_speculative_tokens"] or 0
         extra = {"sparse_attn_min_tokens": args.min_tokens, "prefill_cache": pc,
-                 "max_speculative_tokens": args.max_speculative_tokens}
+                 "gamma_policy": "auto" if g == "auto" else "fixed"}  # "auto": up to --max-speculative-tokens
+        g = args.max_speculative_tokens if g == "auto" else g
         if c["algorithm"] != "full":
             extra.update(share_selection_across_heads=c["share_selection_across_heads"],
                          query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"],

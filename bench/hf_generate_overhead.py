@@ -115,7 +115,7 @@ def main(argv=None):
     packed = pack_linears(model, args.pack_linears)
     meta = run_metadata("cpu")
     names = [d for d in DOCS if d in documents.list_documents()] or documents.list_documents()[:1]
-    opts = dict(num_speculative_tokens=args.gamma)
+    opts = dict(num_speculative_tokens=args.gamma, gamma_policy="auto" if args.gamma == "auto" else "fixed")
     rows_out = []
     for ctx in args.contexts:
         for B in args.batches:

@@ -53,7 +53,7 @@ def capture_ours(model, ids, mask, **kw):
 
     decode.DecodeState.forward = fwd
     try:
-        out = vegas_ext.generate(model, ids, mask, **kw)
+        out = vegas_ext.generate(model, ids, mask, **{"gamma_policy": "fixed", **kw})  # the γ asked, every iteration
     finally:
         decode.DecodeState.forward = real
     T = ids.shape[1]

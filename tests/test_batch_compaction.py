@@ -18,6 +18,11 @@ SPARSE = dict(sparse_attn_ratio=0.05, sparse_attn_min_tokens=32)
 NEW = 40
 LENGTHS = [300, 217, 281, 150]
 
+def _policy(gamma):
+    """``gamma_policy`` for a parametrized γ: an int is the γ of every iteration."""
+    return "auto" if gamma == "auto" else "fixed"
+
+
 
 @functools.lru_cache(maxsize=None)
 def _case(family):
@@ -48,7 +53,8 @@ def _batch_sizes(model):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rows_finishing_at_different_times_equal_each_row_alone(family, algorithm, gamma):
     model, ids, mask, eos, stops = _case(family)
-    kw = dict(max_new_tokens=NEW, num_speculative_tokens=gamma, sparse_attn_algorithm=algorithm,
+    kw = dict(max_new_tokens=NEW, num_speculative_tokens=gamma, gamma_policy=_policy(gamma),
+              sparse_attn_algorithm=algorithm,
               eos_token_id=eos, **SPARSE)
     seen, hook = _batch_sizes(model)
     try:
@@ -78,7 +84,8 @@ def test_return_cache_keeps_every_row():
     model, ids, mask, eos, stops = _case("llama")
     seen, hook = _batch_sizes(model)
     try:
-        out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3, eos_token_id=eos,
+        out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3,
+                                 gamma_policy="fixed", eos_token_id=eos,
                                  return_cache=True, **SPARSE)
     finally:
         hook.remove()
@@ -89,7 +96,8 @@ def test_return_cache_keeps_every_row():
 
 def test_sampling_with_rows_leaving_the_batch():
     model, ids, mask, eos, _ = _case("llama")
-    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3, eos_token_id=eos,
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3,
+                             gamma_policy="fixed", eos_token_id=eos,
                              do_sample=True, temperature=0.7, generator=torch.Generator().manual_seed(0), **SPARSE)
     T = ids.shape[1]
     total = 0

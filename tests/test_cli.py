@@ -81,7 +81,8 @@ def _assert_one_line_error(rc, out, err):
 
 def test_json_output_fields(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
-                            "--max-new-tokens", "10", "--num-speculative-tokens", "3", "--block-size", "4",
+                            "--max-new-tokens", "10", "--num-speculative-tokens", "3", "--gamma-policy", "fixed",
+                            "--block-size", "4",
                             "--min-tokens", "4", "--ignore-eos", "--compare", "--json", "--no-progress"], capsys)
     assert rc == 0, err
     assert "Traceback" not in err
@@ -108,7 +109,8 @@ def test_json_output_fields(tiny_model_dir, capsys):
 
 def test_no_pack_linears(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
-                            "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--block-size", "4",
+                            "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--gamma-policy", "fixed",
+                            "--block-size", "4",
                             "--min-tokens", "4", "--ignore-eos", "--compare", "--json", "--no-progress",
                             "--no-pack-linears"], capsys)
     assert rc == 0, err
@@ -120,6 +122,7 @@ def test_json_batch_of_prompts_and_repeat(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "pride",
                             "--prompt", "the long letter of mr darcy to elizabeth was very long",
                             "--batch-size", "3", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
+                            "--gamma-policy", "fixed",
                             "--compare", "--json", "--json-prompt-ids", "--no-progress", "--ignore-eos"], capsys)
     assert rc == 0, err
     d = json.loads(out)
@@ -150,14 +153,14 @@ def test_sampling_seeded_is_reproducible(tiny_model_dir, capsys):
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "the house", "--max-new-tokens", "8",
             "--do-sample", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--seed", "7",
             "--ignore-eos", "--json", "--no-progress"]
-    fixed = argv + ["--num-speculative-tokens", "3"]
+    fixed = argv + ["--num-speculative-tokens", "3", "--gamma-policy", "fixed"]
     rc1, out1, err1 = run_cli(fixed, capsys)
     rc2, out2, _ = run_cli(fixed, capsys)
     assert rc1 == rc2 == 0, err1
     assert json.loads(out1)["token_ids"] == json.loads(out2)["token_ids"]
     assert "timings" not in err1
     rc3, _, err3 = run_cli(argv, capsys)
-    assert rc3 == 0 and "--seed with sampling and --num-speculative-tokens auto" in err3
+    assert rc3 == 0 and "--seed with sampling and --gamma-policy auto" in err3
 
 
 def test_human_output_text_to_stdout_stats_to_stderr(tiny_model_dir, capsys):
@@ -195,7 +198,7 @@ BAD = {
     "unknown_model_hub_id": (["--model", "no-such-org/no-such-model-xyz", "--prompt", "hi"], "unknown model"),
     "missing_model_path": (["--model", "./no/such/folder", "--prompt", "hi"], "not found"),
     "missing_gguf": (["--model", "/tmp/none-such.gguf", "--prompt", "hi"], "not found"),
-    "gamma_zero": (["--num-speculative-tokens", "0"], "num-speculative-tokens"),
+    "gamma_zero": (["--num-speculative-tokens", "0", "--gamma-policy", "fixed"], "num-speculative-tokens"),
     "gamma_negative": (["--num-speculative-tokens", "-2"], "num-speculative-tokens"),
     "ratio_zero": (["--ratio", "0"], "ratio"),
     "ratio_above_one": (["--ratio", "1.5"], "ratio"),
@@ -219,7 +222,8 @@ BAD = {
 @pytest.mark.parametrize("algo", ["streamingllm", "quest", "vegas"])
 def test_rival_algorithms_and_vegas_options(algo, tiny_model_dir, capsys):
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet", "--algorithm", algo,
-            "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--json", "--no-progress", "--compare"]
+            "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--gamma-policy", "fixed", "--json",
+            "--no-progress", "--compare"]
     if algo == "vegas":
         argv += ["--query-weights", "first_last", "--refresh-interval", "2"]
     rc, out, err = run_cli(argv, capsys)
@@ -265,7 +269,8 @@ def test_generate_leaves_its_args_unchanged(tiny_model_dir, capsys):
     """cmd_generate works on a checked copy: the caller's Namespace keeps its parsed values (it used
     to get --num-speculative-tokens turned into an int and --block-size filled in)."""
     args = cli.build_parser().parse_args(["generate", "--model", tiny_model_dir, "--prompt", "the day",
-                                          "--max-new-tokens", "3", "--gamma", "2", "--json", "--no-progress"])
+                                          "--max-new-tokens", "3", "--gamma", "2", "--gamma-policy", "fixed",
+                                          "--json", "--no-progress"])
     before = dict(vars(args))
     assert cli.cmd_generate(args) == 0
     assert vars(args) == before
@@ -463,7 +468,8 @@ def contract_models(tmp_path_factory):
 def _contract_run(folder, dtype, capsys):
     prompt = " ".join(WORDS[(7 * i) % len(WORDS)] for i in range(180))  # ~180 tokens: drafts are sparse
     rc, out, err = run_cli(["generate", "--model", folder, "--prompt", prompt, "--dtype", dtype,
-                            "--max-new-tokens", "24", "--num-speculative-tokens", "3", "--ratio", "0.1",
+                            "--max-new-tokens", "24", "--num-speculative-tokens", "3", "--gamma-policy", "fixed",
+                            "--ratio", "0.1",
                             "--min-tokens", "8", "--block-size", "4", "--ignore-eos", "--compare", "--json",
                             "--no-progress"], capsys)
     assert rc == 0, err
@@ -575,7 +581,8 @@ def test_compare_at_real_near_ties(tiny_model_dir, tmp_path, capsys):
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
     prompt = " ".join(WORDS[(5 * i) % len(WORDS)] for i in range(40))
     rc, out, err = run_cli(["generate", "--model", folder, "--prompt", prompt, "--max-new-tokens", "16",
-                            "--num-speculative-tokens", "4", "--ignore-eos", "--compare", "--json", "--no-progress"],
+                            "--num-speculative-tokens", "4", "--gamma-policy", "fixed", "--ignore-eos", "--compare",
+                            "--json", "--no-progress"],
                            capsys)
     assert rc == 0, err
     d = json.loads(out)
@@ -712,7 +719,8 @@ def test_draft_weights_and_compare_with_our_plain_loop(tiny_model_dir, capsys):
     """--draft-weights int8 stays lossless; --compare also times our own plain loop ("full") and
     reports both ratios; the stats say how many iterations drafted and what the copy weighs."""
     base = ["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet", "--max-new-tokens", "10",
-            "--num-speculative-tokens", "3", "--block-size", "4", "--min-tokens", "4", "--ignore-eos", "--compare",
+            "--num-speculative-tokens", "3", "--gamma-policy", "fixed", "--block-size", "4", "--min-tokens", "4",
+            "--ignore-eos", "--compare",
             "--no-progress", "--draft-weights", "int8"]
     rc, out, err = run_cli(base + ["--json"], capsys)
     assert rc == 0, err
@@ -873,7 +881,8 @@ def test_compare_baseline_ignores_the_models_generation_config_processors(tiny_m
     GenerationConfig(**options).save_pretrained(folder)
     with pytest.warns(UserWarning, match="generation_config sets"):
         rc, out, err = run_cli(["generate", "--model", folder, "--prompt", "the house of mr bennet said",
-                                "--max-new-tokens", "12", "--num-speculative-tokens", "2", "--ignore-eos",
+                                "--max-new-tokens", "12", "--num-speculative-tokens", "2", "--gamma-policy", "fixed",
+                                "--ignore-eos",
                                 "--compare", "--no-progress", "--json"], capsys)
     assert rc == 0, err
     d = json.loads(out)

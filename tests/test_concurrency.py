@@ -16,7 +16,8 @@ from vegas_ext.attention import is_patched, patch_model, patched, unpatch_model
 
 from decode_utils import first_diff, hf_greedy, make_model, make_prompts
 
-GEN = dict(max_new_tokens=10, num_speculative_tokens=4, sparse_attn_ratio=0.05, sparse_attn_min_tokens=0,
+GEN = dict(max_new_tokens=10, num_speculative_tokens=4, gamma_policy="fixed", sparse_attn_ratio=0.05,
+           sparse_attn_min_tokens=0,
            eos_token_id=[], block_size=4)
 
 

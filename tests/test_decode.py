@@ -17,7 +17,15 @@ from vegas_ext.decode import (
     budget_blocks,
 )
 
-from decode_utils import FAMILIES, cached_model, first_diff, hf_greedy, make_model, make_prompts, one_thread  # noqa: F401
+from decode_utils import (  # noqa: F401
+    FAMILIES,
+    cached_model,
+    first_diff,
+    hf_greedy,
+    make_model,
+    make_prompts,
+    one_thread,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,6 +34,11 @@ SPARSE = dict(sparse_attn_ratio=0.05, sparse_attn_min_tokens=32, block_size=8)
 EXACT = dict(sparse_attn_ratio=1.0, sparse_attn_min_tokens=0, block_size=8)
 NEW = 24
 LENGTHS = {1: [300], 3: [300, 217, 281]}
+
+def _policy(gamma):
+    """``gamma_policy`` for a parametrized γ: an int is the γ of every iteration."""
+    return "auto" if gamma == "auto" else "fixed"
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +61,7 @@ def _gen(model, ids, mask, **kw):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_hf_generate(family, batch, gamma):
     model, ids, mask, ref = _case(family, batch)
-    out = _gen(model, ids, mask, num_speculative_tokens=gamma, **SPARSE)
+    out = _gen(model, ids, mask, num_speculative_tokens=gamma, gamma_policy=_policy(gamma), **SPARSE)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
     s = out.stats
     assert s["num_draft_tokens"] > 0
@@ -60,7 +73,7 @@ def test_greedy_equals_hf_generate(family, batch, gamma):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sparse_drafts_are_approximate_but_useful(family):
     model, ids, mask, ref = _case(family, 3)
-    out = _gen(model, ids, mask, num_speculative_tokens=4, **SPARSE)
+    out = _gen(model, ids, mask, num_speculative_tokens=4, gamma_policy="fixed", **SPARSE)
     assert 0.0 < out.stats["draft_acceptance_rate"] < 1.0
 
 
@@ -91,13 +104,13 @@ def test_selection_variants_are_lossless(opts):
     model, ids, mask, ref = _case("llama", 3)
     kw = dict(SPARSE)
     kw.update(opts)
-    out = _gen(model, ids, mask, num_speculative_tokens=4, **kw)
+    out = _gen(model, ids, mask, num_speculative_tokens=4, gamma_policy="fixed", **kw)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
 
 
 def test_exact_budget_accepts_nearly_everything():
     model, ids, mask, ref = _case("qwen3", 3)
-    out = _gen(model, ids, mask, num_speculative_tokens=4, **EXACT)
+    out = _gen(model, ids, mask, num_speculative_tokens=4, gamma_policy="fixed", **EXACT)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
     # the budget covers every block before the tail: drafts are exact up to float rounding
     assert out.stats["draft_acceptance_rate"] > 0.95
@@ -106,7 +119,7 @@ def test_exact_budget_accepts_nearly_everything():
 # --------------------------------------------------------------------------- rollback
 def test_rollback_cache_equals_plain_decoding():
     model, ids, mask, ref = _case("llama", 3)
-    spec = _gen(model, ids, mask, num_speculative_tokens=4, return_cache=True, **SPARSE)
+    spec = _gen(model, ids, mask, num_speculative_tokens=4, gamma_policy="fixed", return_cache=True, **SPARSE)
     plain = _gen(model, ids, mask, sparse_attn_algorithm="full", return_cache=True)
     assert torch.equal(spec.sequences, plain.sequences)
     assert spec.stats["num_accepted_tokens"] < spec.stats["num_draft_tokens"]  # there were rejections
@@ -192,7 +205,7 @@ def test_one_token_prompt(lengths):
     model = cached_model("qwen2")
     ids, mask = make_prompts(model.config.vocab_size, lengths, seed=7)
     ref = hf_greedy(model, ids, mask, 16, eos_token_id=[])
-    out = _gen(model, ids, mask, max_new_tokens=16, num_speculative_tokens=4, **SPARSE)
+    out = _gen(model, ids, mask, max_new_tokens=16, num_speculative_tokens=4, gamma_policy="fixed", **SPARSE)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
 
 
@@ -201,7 +214,8 @@ def test_prompt_exactly_one_block(gamma):
     model = cached_model("mistral")
     ids, mask = make_prompts(model.config.vocab_size, [8], seed=3)
     ref = hf_greedy(model, ids, mask, 20, eos_token_id=[])
-    out = _gen(model, ids, mask, max_new_tokens=20, num_speculative_tokens=gamma, sparse_attn_min_tokens=0,
+    out = _gen(model, ids, mask, max_new_tokens=20, num_speculative_tokens=gamma, gamma_policy=_policy(gamma),
+               sparse_attn_min_tokens=0,
                block_size=8)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
 
@@ -215,7 +229,7 @@ def test_eos_inside_accepted_run(batch):
     j = next(i for i in range(3, NEW) if new0[i] not in new0[:i])
     eos = new0[j]
     ref_eos = hf_greedy(model, ids, mask, NEW, eos_token_id=eos)
-    out = _gen(model, ids, mask, num_speculative_tokens=8, eos_token_id=eos, **EXACT)
+    out = _gen(model, ids, mask, num_speculative_tokens=8, gamma_policy="fixed", eos_token_id=eos, **EXACT)
     assert torch.equal(out.sequences, ref_eos), first_diff(out.sequences, ref_eos)
     assert out.sequences[0, T + j] == eos and out.sequences.shape[1] <= T + NEW
     # nothing emitted past the EOS (padding only)
@@ -225,7 +239,7 @@ def test_eos_inside_accepted_run(batch):
 @pytest.mark.parametrize("max_new", [1, 2, 5, 11])
 def test_max_new_tokens_inside_accepted_run(max_new):
     model, ids, mask, ref = _case("qwen3", 3)
-    out = _gen(model, ids, mask, max_new_tokens=max_new, num_speculative_tokens=8, **EXACT)
+    out = _gen(model, ids, mask, max_new_tokens=max_new, num_speculative_tokens=8, gamma_policy="fixed", **EXACT)
     assert torch.equal(out.sequences, ref[:, : ids.shape[1] + max_new])
     assert out.stats["num_generated_tokens"] == 3 * max_new
 
@@ -242,7 +256,7 @@ def test_rows_finish_early_at_their_own_eos():
         pytest.fail("no suitable EOS token in this reference "
                     "(the seeded model and prompts are fixed: they must provide one)")
     ref_eos = hf_greedy(model, ids, mask, NEW, eos_token_id=cand)
-    out = _gen(model, ids, mask, num_speculative_tokens=4, eos_token_id=cand, **SPARSE)
+    out = _gen(model, ids, mask, num_speculative_tokens=4, gamma_policy="fixed", eos_token_id=cand, **SPARSE)
     assert torch.equal(out.sequences, ref_eos), first_diff(out.sequences, ref_eos)
 
 
@@ -262,7 +276,8 @@ def test_generation_up_to_last_position():
     ref = hf_greedy(model, ids, mask, n, eos_token_id=[])
     seen, h = _record_positions(model)
     try:
-        out = _gen(model, ids, mask, max_new_tokens=n, num_speculative_tokens=8, sparse_attn_min_tokens=8, block_size=4)
+        out = _gen(model, ids, mask, max_new_tokens=n, num_speculative_tokens=8, gamma_policy="fixed",
+                   sparse_attn_min_tokens=8, block_size=4)
     finally:
         h.remove()
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
@@ -274,7 +289,8 @@ def test_max_new_tokens_capped_at_model_positions():
     ids, mask = make_prompts(model.config.vocab_size, [40], seed=5)
     ref = hf_greedy(model, ids, mask, 25, eos_token_id=[])
     with pytest.warns(UserWarning, match="max_position_embeddings"):
-        out = _gen(model, ids, mask, max_new_tokens=40, num_speculative_tokens=6, sparse_attn_min_tokens=8,
+        out = _gen(model, ids, mask, max_new_tokens=40, num_speculative_tokens=6, gamma_policy="fixed",
+                   sparse_attn_min_tokens=8,
                    block_size=4)
     assert torch.equal(out.sequences, ref)
 
@@ -292,14 +308,14 @@ def test_streamer_receives_prompt_then_tokens():
 
     model, ids, mask, ref = _case("llama", 1)
     s = Collect()
-    out = _gen(model, ids, mask, num_speculative_tokens=4, streamer=s, **SPARSE)
+    out = _gen(model, ids, mask, num_speculative_tokens=4, gamma_policy="fixed", streamer=s, **SPARSE)
     assert s.ended and s.chunks[0] == ids[0].tolist()
     assert sum(s.chunks[1:], []) == out.sequences[0, ids.shape[1] :].tolist()
 
 
 def test_stats_are_consistent():
     model, ids, mask, ref = _case("qwen2", 3)
-    out = _gen(model, ids, mask, num_speculative_tokens=6, **SPARSE)
+    out = _gen(model, ids, mask, num_speculative_tokens=6, gamma_policy="fixed", **SPARSE)
     s = out.stats
     for key in (
         "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
@@ -400,7 +416,8 @@ def test_registry_has_builtin_algorithms():
 def test_half_precision_runs(dtype):
     model = make_model("qwen3").to(dtype)
     ids, mask = make_prompts(model.config.vocab_size, [120, 77], seed=9)
-    out = _gen(model, ids, mask, max_new_tokens=12, num_speculative_tokens=4, sparse_attn_min_tokens=16, block_size=8)
+    out = _gen(model, ids, mask, max_new_tokens=12, num_speculative_tokens=4, gamma_policy="fixed",
+               sparse_attn_min_tokens=16, block_size=8)
     assert out.sequences.shape == (2, 120 + 12)
     assert out.stats["dtype"] == str(dtype).replace("torch.", "")
     new = out.sequences[:, 120:]

@@ -58,11 +58,12 @@ def test_drafts_after_eos_are_not_counted_as_accepted(batch):
     new = ref[:, T:].tolist()
     # with the exact budget the first round of GAMMA drafts is accepted in full by every row
     one = vegas_ext.generate(model, ids, mask, max_new_tokens=GAMMA + 2, num_speculative_tokens=GAMMA,
+                             gamma_policy="fixed",
                              eos_token_id=[], **EXACT)
     assert one.stats["num_iterations"] == 1 and one.stats["num_accepted_tokens"] == GAMMA * batch
     eos, stops = _eos_inside_first_run(new)
     ref_eos = hf_greedy(model, ids, mask, NEW, eos_token_id=eos)
-    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
                              eos_token_id=eos, **EXACT)
     assert torch.equal(out.sequences, ref_eos), first_diff(out.sequences, ref_eos)
     s = out.stats
@@ -81,7 +82,7 @@ def test_accepted_drafts_never_exceed_emitted_tokens_with_eos():
     model, ids, mask, ref = _case(3)
     T = ids.shape[1]
     eos = sorted({ref[0, T + 9].item(), ref[2, T + 5].item()})
-    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
                              eos_token_id=eos, **SPARSE)
     ref_eos = hf_greedy(model, ids, mask, NEW, eos_token_id=eos)
     assert torch.equal(out.sequences, ref_eos), first_diff(out.sequences, ref_eos)

@@ -15,7 +15,7 @@ from vegas_ext.draft_weights import draft_weights_for
 from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_prompts
 
 ERR = (RuntimeError, ValueError)
-KW = dict(num_speculative_tokens=3, sparse_attn_ratio=0.3, sparse_attn_min_tokens=8)
+KW = dict(num_speculative_tokens=3, gamma_policy="fixed", sparse_attn_ratio=0.3, sparse_attn_min_tokens=8)
 
 
 def _draft_state(model, lens, seed=0):

@@ -15,7 +15,7 @@ from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_th
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KW = dict(num_speculative_tokens=4, sparse_attn_ratio=0.1, sparse_attn_min_tokens=8, block_size=4)
+KW = dict(num_speculative_tokens=4, gamma_policy="fixed", sparse_attn_ratio=0.1, sparse_attn_min_tokens=8, block_size=4)
 
 
 def _linears(model):
@@ -126,6 +126,7 @@ def test_sampling_with_int8_drafts_matches_target_distribution():
     warpers = vegas_ext.decode.make_warpers(1.0, 0, 1.0)
     joint = _exact_joint(model, prompt, warpers)
     out = vegas_ext.generate(model, prompt.expand(5000, -1), max_new_tokens=K_NEW, num_speculative_tokens=3,
+                             gamma_policy="fixed",
                              sparse_attn_ratio=0.01, sparse_attn_min_tokens=0, block_size=4, do_sample=True,
                              eos_token_id=[], generator=torch.Generator().manual_seed(1), draft_weights="int8")
     assert 0.05 < out.stats["draft_acceptance_rate"] < 0.95
@@ -161,7 +162,8 @@ def test_draft_weights_leave_packed_linears_packed():
         pytest.skip("this PyTorch cannot pack linears (no oneDNN)")
     pack_linear_weights(m, min_rows=1)
     ids, mask = make_prompts(m.config.vocab_size, [60, 45])
-    kw = dict(max_new_tokens=16, num_speculative_tokens=3, draft_weights="int8", eos_token_id=[], pad_token_id=0)
+    kw = dict(max_new_tokens=16, num_speculative_tokens=3, gamma_policy="fixed", draft_weights="int8",
+              eos_token_id=[], pad_token_id=0)
     vegas_ext.generate(m, ids, mask, **kw)
     packed = [mod for mod in m.modules() if isinstance(mod, PackedLinear)]
     before = sum(mod.repacks for mod in packed)

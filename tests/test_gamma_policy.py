@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vegas_ext
-from vegas_ext import decode
+from vegas_ext import speculation
 from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts
 
 from decode_utils import FAMILIES, cached_model, first_diff, hf_greedy, make_prompts, one_thread  # noqa: F401
@@ -335,7 +335,7 @@ def test_auto_respects_limits_and_caps():
     assert p.choose(CAPS, 1) == 1  # the warm-up's first_gamma (2), clamped to the limit
     # rows that can emit at most one more token gain nothing from drafts beyond it
     assert p.expected_tokens(5, torch.tensor([0, 1])) == pytest.approx(1 + 1 + p.acceptance()[0])
-    with pytest.raises(ValueError, match="max_speculative_tokens"):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
         AutoGamma(0)
 
 
@@ -373,15 +373,15 @@ class _CheapDrafts(AutoGamma):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_greedy_equals_plain_greedy(family, batch, cheap, monkeypatch):
     if cheap:
-        monkeypatch.setattr(decode, "AutoGamma", _CheapDrafts)
+        monkeypatch.setattr(speculation, "AutoGamma", _CheapDrafts)
     model = cached_model(family)
     ids, mask = make_prompts(model.config.vocab_size, [300, 217, 281][:batch], seed=batch)
     ref = hf_greedy(model, ids, mask, 30, eos_token_id=[])
     out = vegas_ext.generate(model, ids, mask, max_new_tokens=30, num_speculative_tokens="auto", **SPARSE)
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
     s = out.stats
-    assert s["gamma_policy"] == "auto" and s["num_speculative_tokens"] == "auto"
-    assert s["max_speculative_tokens"] == 8 and len(s["num_accepted_tokens_per_pos"]) == 8
+    assert s["gamma_policy"] == "auto" and s["num_speculative_tokens"] == 8  # "auto": the default cap
+    assert len(s["num_accepted_tokens_per_pos"]) == 8
     assert len(s["gamma_per_iteration"]) == s["num_iterations"] == sum(s["gamma_histogram"])
     assert s["gamma_per_iteration"][:2] == [2, 0]  # the warm-up
     if cheap:
@@ -399,14 +399,20 @@ def test_auto_is_the_default_and_full_ignores_it():
     out = vegas_ext.generate(model, ids, mask, max_new_tokens=8, sparse_attn_algorithm="full", **SPARSE)
     assert out.stats["gamma_policy"] == "fixed" and set(out.stats["gamma_per_iteration"]) == {0}
     out = vegas_ext.generate(model, ids, mask, max_new_tokens=8, num_speculative_tokens=4, **SPARSE)
+    assert out.stats["gamma_policy"] == "auto" and out.stats["num_speculative_tokens"] == 4  # a cap
+    assert max(out.stats["gamma_per_iteration"]) <= 4
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=8, num_speculative_tokens=4, gamma_policy="fixed",
+                             **SPARSE)
     assert out.stats["gamma_policy"] == "fixed" and out.stats["gamma_per_iteration"][0] == 4
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(num_speculative_tokens="fast"), "num_speculative_tokens"),
     (dict(num_speculative_tokens=2.5), "num_speculative_tokens"),
-    (dict(max_speculative_tokens=0), "max_speculative_tokens"),
-    (dict(max_speculative_tokens="8"), "max_speculative_tokens"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    (dict(gamma_policy="sometimes"), "gamma_policy"),
+    (dict(num_speculative_tokens="auto", gamma_policy="fixed"), "gamma_policy"),
+    (dict(max_speculative_tokens=8), "max_speculative_tokens is no longer an option: pass the cap as"),
 ])
 def test_bad_gamma_options_raise(kw, match):
     model = cached_model("llama")
@@ -418,7 +424,7 @@ def test_bad_gamma_options_raise(kw, match):
 # --------------------------------------------------------------------------- CLI
 def test_cli_auto_gamma_is_default_and_reported(tiny_model_dir, capsys):  # noqa: F811
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the man said to miss bennet",
-                            "--max-new-tokens", "12", "--no-progress", "--max-speculative-tokens", "5"], capsys)
+                            "--max-new-tokens", "12", "--no-progress", "--num-speculative-tokens", "5"], capsys)
     assert rc == 0, err
     assert "gamma (auto)" in err and "iterations per gamma 0..5" in err
     assert "accept. estimates" in err and "fitted costs" in err
@@ -430,8 +436,8 @@ def test_cli_bad_gamma(value, tiny_model_dir, capsys):  # noqa: F811
                             "--num-speculative-tokens", value], capsys)
     assert rc not in (0, None) and "num-speculative-tokens" in err and "Traceback" not in err
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "hi",
-                            "--max-speculative-tokens", "0"], capsys)
-    assert rc not in (0, None) and "max-speculative-tokens" in err
+                            "--gamma-policy", "sometimes"], capsys)
+    assert rc not in (0, None) and "gamma-policy" in err
 
 
 def test_auto_verify_cost_is_at_least_one_plain_step():

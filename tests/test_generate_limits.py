@@ -19,8 +19,8 @@ def small():
 
 @pytest.mark.parametrize("kw", [
     dict(max_new_tokens=10**12),                                   # "until EOS / the last position"
-    dict(max_new_tokens=10, num_speculative_tokens=10**9),
-    dict(max_new_tokens=10, max_speculative_tokens=10**7),
+    dict(max_new_tokens=10, num_speculative_tokens=10**9, gamma_policy="fixed"),
+    dict(max_new_tokens=10, num_speculative_tokens=10**7),  # the cap of "auto"
     dict(max_new_tokens=10, block_size=2**31 - 1),
     dict(max_new_tokens=10, block_size=2**32),
 ])
@@ -70,3 +70,19 @@ def test_ops_name_a_missing_tensor():
         ops.verify_attention(None, k, k, torch.tensor([4], dtype=torch.int32), 1, 0.25)
     with pytest.raises(TypeError, match="num_candidates must be a torch.Tensor"):
         ops.block_topk(torch.zeros(1, 1, 4), torch.ones(1, dtype=torch.int32), None, 2, 0)  # (an int is one per row)
+
+
+def test_a_cache_past_free_memory_is_refused_before_any_work(small):
+    """Break test: through ``hf.generate`` (which, like plain HF, goes past max_position_embeddings)
+    a huge ``max_new_tokens`` used to end in the allocator's raw error; now one message names the
+    bytes, the free memory and the remedy, before any forward."""
+    model, ids, mask = small
+    calls = []
+    h = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"KV cache .* GiB, allocated up front, more than .* lower max_new_tokens"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10**12, pad_token_id=0,
+                           custom_generate=vegas_ext.hf.generate)
+    finally:
+        h.remove()
+    assert not calls

@@ -31,7 +31,8 @@ from decode_utils import first_diff, make_model, make_prompts, one_thread  # noq
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # a small sparse budget so drafts are real (and often rejected): the loop's speculation runs
-VEGAS = dict(custom_generate=hf.generate, num_speculative_tokens=4, sparse_attn_min_tokens=16, block_size=4)
+VEGAS = dict(custom_generate=hf.generate, num_speculative_tokens=4, gamma_policy="fixed",
+             sparse_attn_min_tokens=16, block_size=4)
 LENGTHS = (40, 57, 23)  # mixed prompt lengths: left padding
 NEW = 24
 
@@ -205,7 +206,8 @@ def test_pipeline_text_generation(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = pipe(prompt, **kw)[0]["generated_text"]
-        got = pipe(prompt, custom_generate=hf.generate, num_speculative_tokens=3, sparse_attn_min_tokens=8,
+        got = pipe(prompt, custom_generate=hf.generate, num_speculative_tokens=3, gamma_policy="fixed",
+                   sparse_attn_min_tokens=8,
                    block_size=2, **kw)[0]["generated_text"]
     assert got == want and len(got) > len(prompt)
     # stop strings (the pipeline's stop_sequence) need the tokenizer, which transformers does not
@@ -216,6 +218,7 @@ def test_pipeline_text_generation(tmp_path):
         want_s = pipe(prompt, stop_sequence=stop, **kw)[0]["generated_text"]
         for custom in (hf.generate, functools.partial(hf.generate, tokenizer=tok)):
             got_s = pipe(prompt, stop_sequence=stop, custom_generate=custom, num_speculative_tokens=3,
+                         gamma_policy="fixed",
                          sparse_attn_min_tokens=8, block_size=2, **kw)[0]["generated_text"]
             assert got_s == want_s and want_s.endswith(stop) and len(want_s) < len(want)
 
@@ -317,6 +320,7 @@ def test_sampling_with_processors_keeps_the_target_distribution():
                              max_new_tokens=K_NEW, do_sample=True,
                              repetition_penalty=3.0, temperature=0.8, top_k=4, pad_token_id=0,
                              return_dict_in_generate=True, custom_generate=hf.generate, num_speculative_tokens=3,
+                             gamma_policy="fixed",
                              sparse_attn_ratio=0.01, sparse_attn_min_tokens=0, block_size=4)
     s = out.stats
     assert 0.05 < s["draft_acceptance_rate"] < 0.95, s["draft_acceptance_rate"]
@@ -345,11 +349,12 @@ def test_sampling_with_warpers_only_uses_the_loops_warpers(monkeypatch):
     ids, mask = make_prompts(256, (30,))
     with torch.inference_mode():
         model.generate(input_ids=ids, max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
-                       pad_token_id=0, custom_generate=hf.generate, num_speculative_tokens=2)
+                       pad_token_id=0, custom_generate=hf.generate, num_speculative_tokens=2, gamma_policy="fixed")
         model.generate(input_ids=ids, max_new_tokens=6, do_sample=True, temperature=0.7, min_p=0.05,
-                       pad_token_id=0, custom_generate=hf.generate, num_speculative_tokens=2)
+                       pad_token_id=0, custom_generate=hf.generate, num_speculative_tokens=2, gamma_policy="fixed")
     assert calls[0]["logits_processor"] is None
-    assert (calls[0]["temperature"], calls[0]["top_k"], calls[0]["top_p"]) == (0.7, 20, 0.9)
+    cfg = calls[0]["vegas_config"]
+    assert (cfg.temperature, cfg.top_k, cfg.top_p) == (0.7, 20, 0.9)
     assert calls[1]["logits_processor"] is not None  # min-p: HF's processor list, per position
 
 
@@ -364,7 +369,7 @@ def test_embedded_model_greedy_with_processors_and_stop_strings():
     kw = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.2, no_repeat_ngram_size=3)
     with torch.inference_mode():
         want = model.generate(**enc, **kw)
-        got = model.generate(**enc, **kw, custom_generate=hf.generate, num_speculative_tokens=4,
+        got = model.generate(**enc, **kw, custom_generate=hf.generate, num_speculative_tokens=4, gamma_policy="fixed",
                              sparse_attn_min_tokens=8, block_size=2)
     assert torch.equal(got, want), first_diff(got, want)
     stop = tok.decode(want[1, enc["input_ids"].shape[1] + 10:]).split()[0]
@@ -372,7 +377,7 @@ def test_embedded_model_greedy_with_processors_and_stop_strings():
     with torch.inference_mode():
         want_s = model.generate(**enc, **kw, tokenizer=tok)
         got_s = model.generate(**enc, **kw, custom_generate=functools.partial(hf.generate, tokenizer=tok),
-                               num_speculative_tokens=4, sparse_attn_min_tokens=8, block_size=2)
+                               num_speculative_tokens=4, gamma_policy="fixed", sparse_attn_min_tokens=8, block_size=2)
     assert torch.equal(got_s, want_s), first_diff(got_s, want_s)
     T = enc["input_ids"].shape[1]
     assert tok.decode(want_s[1, T:], skip_special_tokens=True).rstrip().endswith(stop)  # row 1 stopped there
@@ -391,7 +396,8 @@ def test_decode_generate_logits_processor_hook_directly(llama, prompts):
     want = _plain(llama, ids, mask, max_new_tokens=NEW, logits_processor=procs, stopping_criteria=crit)
     with torch.inference_mode():
         got = vegas_ext.generate(llama, ids, mask, max_new_tokens=NEW, pad_token_id=0, logits_processor=procs,
-                                 stopping_criteria=crit, num_speculative_tokens=4, sparse_attn_min_tokens=16,
+                                 stopping_criteria=crit, num_speculative_tokens=4, gamma_policy="fixed",
+                                 sparse_attn_min_tokens=16,
                                  block_size=4).sequences
     assert torch.equal(got, want), first_diff(got, want)
     for name in ("logits_processor", "stopping_criteria"):

@@ -25,7 +25,8 @@ from decode_utils import first_diff, make_model, make_prompts, one_thread  # noq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VEGAS = dict(custom_generate=hf.generate, num_speculative_tokens=4, sparse_attn_min_tokens=16, block_size=4)
+VEGAS = dict(custom_generate=hf.generate, num_speculative_tokens=4, gamma_policy="fixed",
+             sparse_attn_min_tokens=16, block_size=4)
 LENGTHS = (40, 57, 23)
 PAD, EOS = 0, 2
 
@@ -272,6 +273,7 @@ def test_stop_strings_with_the_tokenizer_given_to_generate():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want_p = pipe(texts[1], **pkw)[0]["generated_text"]
-        got_p = pipe(texts[1], custom_generate=hf.generate, num_speculative_tokens=3, sparse_attn_min_tokens=8,
+        got_p = pipe(texts[1], custom_generate=hf.generate, num_speculative_tokens=3, gamma_policy="fixed",
+                     sparse_attn_min_tokens=8,
                      block_size=2, **pkw)[0]["generated_text"]
     assert got_p == want_p and want_p.endswith(stop)

@@ -20,7 +20,8 @@ from decode_utils import first_diff, hf_greedy, make_model, make_prompts, one_th
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KW = dict(num_speculative_tokens=3, sparse_attn_ratio=0.1, sparse_attn_min_tokens=8, block_size=4, eos_token_id=[])
+KW = dict(num_speculative_tokens=3, gamma_policy="fixed", sparse_attn_ratio=0.1, sparse_attn_min_tokens=8,
+          block_size=4, eos_token_id=[])
 
 
 def _call(model, kind, n=6):
@@ -96,3 +97,38 @@ def test_a_later_call_without_draft_weights_keeps_the_copy_until_released():
     assert model_state.get(model, "draft_weights") is dw  # kept for the next call that asks
     vegas_ext.release(model)
     assert model_state.get(model, "draft_weights") is None
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8"])
+def test_copies_taken_during_a_call_carry_nothing_of_it(kind, monkeypatch):
+    """Break test: a deepcopy / pickle / torch.save taken by another thread while a call with draft
+    weights runs used to carry the per-module forward wrapper (unpicklable; a copy computing with
+    the original's weights). The wrapper is a class attribute now: copies taken mid-call are clean."""
+    from vegas_ext import draft_weights as dwm
+
+    model = make_model("llama", seed=3)
+    taken = {}
+    real = dwm.DraftWeights.linear
+
+    def linear(self, mod, x, own):  # runs inside the call, as another thread would see the model
+        if not taken:
+            taken["copy"] = copy.deepcopy(model)
+            taken["pickle"] = pickle.loads(pickle.dumps(model))
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            buf.seek(0)
+            taken["save"] = torch.load(buf, weights_only=False)
+        return real(self, mod, x, own)
+
+    monkeypatch.setattr(dwm.DraftWeights, "linear", linear)
+    monkeypatch.setattr(vegas_ext.decode, "lean_draft", lambda *a: None)  # drafts through the linears
+    out, ids, mask = _call(model, kind)
+    assert set(taken) == {"copy", "pickle", "save"}
+    monkeypatch.undo()
+    for name, c in taken.items():
+        _no_vegas_attributes(c)
+        with torch.inference_mode():  # copied inside the call's inference mode
+            c.lm_head.weight.zero_()  # the copy computes with its own weights, not the original's
+            x = torch.randn(2, c.config.hidden_size)
+            assert torch.equal(c.lm_head(x), torch.zeros(2, c.config.vocab_size)), name
+            assert not torch.equal(model.lm_head(x), c.lm_head(x))

@@ -20,6 +20,11 @@ from decode_utils import FAMILIES, make_model, make_prompts, one_thread  # noqa:
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+def _policy(gamma):
+    """``gamma_policy`` for a parametrized γ: an int is the γ of every iteration."""
+    return "auto" if gamma == "auto" else "fixed"
+
+
 
 def near_tied_lm_head(model, noise: float, seed: int = 1) -> None:
     """Case 009's construction: every output-layer row 50 x row 0 plus ``noise`` x N(0, 1)."""
@@ -65,7 +70,8 @@ def hf_differences(model, prompt, ours):
 
 
 def _vegas(model, ids, mask, n=24, **kw):
-    kw = dict(dict(num_speculative_tokens=4, sparse_attn_ratio=0.1, sparse_attn_min_tokens=16), **kw)
+    kw = dict(dict(num_speculative_tokens=4, gamma_policy="fixed", sparse_attn_ratio=0.1,
+                   sparse_attn_min_tokens=16), **kw)
     out = vegas_ext.generate(model, ids, mask, max_new_tokens=n, eos_token_id=[], pad_token_id=0, **kw)
     return out.sequences[:, ids.shape[1]:]
 
@@ -102,7 +108,7 @@ def test_near_ties_every_family(family, gamma):
     m = make_model(family, seed=2)
     near_tied_lm_head(m, 2e-6, seed=3)
     ids, mask = make_prompts(m.config.vocab_size, [150, 40, 90], seed=gamma)
-    new = _vegas(m, ids, mask, num_speculative_tokens=gamma)
+    new = _vegas(m, ids, mask, num_speculative_tokens=gamma, gamma_policy=_policy(gamma))
     _check_rows(m, ids, mask, new)
 
 

@@ -41,6 +41,7 @@ def test_offloaded_model_decodes_as_plain_generate(family, whole):
     for dw in (None, "int8", "fp16"):
         for algorithm in ("vegas", "quest", "full"):
             out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3,
+                                     gamma_policy="fixed",
                                      sparse_attn_algorithm=algorithm, sparse_attn_min_tokens=8, block_size=4,
                                      draft_weights=dw)
             assert torch.equal(out.sequences, ref), (dw, algorithm)
@@ -54,7 +55,7 @@ def test_offloaded_model_decodes_as_plain_generate(family, whole):
 def test_offloaded_model_through_hf_generate():
     model, ids, mask, ref = _offloaded("llama", True)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, custom_generate=vegas_ext.hf.generate,
-                         num_speculative_tokens=3, draft_weights="int8")
+                         num_speculative_tokens=3, gamma_policy="fixed", draft_weights="int8")
     assert torch.equal(out, ref)
 
 
@@ -73,7 +74,8 @@ def test_offloaded_linears_are_left_to_their_hooks():
     offloaded = sum(type(m) is torch.nn.Linear for m in model.model.layers[1].modules())
     assert pack_linear_weights(model) == n_linears - offloaded
     assert all(type(m) is torch.nn.Linear for m in model.model.layers[1].modules() if hasattr(m, "in_features"))
-    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3, draft_weights="int8")
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3,
+                             gamma_policy="fixed", draft_weights="int8")
     assert torch.equal(out.sequences, ref)
 
 

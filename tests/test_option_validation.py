@@ -132,9 +132,9 @@ def test_every_bool_option_takes_only_true_or_false(case, name, value):
 
 
 def test_exact_integers_of_numpy_and_torch_are_accepted(case):
-    want = _gen(case, max_new_tokens=4, top_k=0, num_speculative_tokens=2)
+    want = _gen(case, max_new_tokens=4, top_k=0, num_speculative_tokens=2, gamma_policy="fixed")
     for conv in (np.int64, np.int32, torch.tensor):
-        out = _gen(case, max_new_tokens=conv(4), top_k=conv(0), num_speculative_tokens=conv(2),
+        out = _gen(case, max_new_tokens=conv(4), top_k=conv(0), num_speculative_tokens=conv(2), gamma_policy="fixed",
                    num_sink_blocks=conv(1), sparse_attn_min_tokens=conv(256))
         assert torch.equal(out.sequences, want.sequences)
         assert out.stats["max_new_tokens"] == 4 and type(out.stats["top_k"]) is int
@@ -162,7 +162,8 @@ class _Reached(Exception):
 _ANY = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 40),
                  st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["auto", "vegas", "0.5", "no", "all"]),
                  st.lists(st.integers(0, 300), max_size=2))
-_FUZZED = [n for n in config.OPTIONS if n not in ("return_cache", "draft_weights")] + ["eos_token_id", "pad_token_id"]
+_FUZZED = [n for n in config.LOOP_OPTIONS if n not in ("return_cache", "draft_weights")]
+_FUZZED += ["eos_token_id", "pad_token_id"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
@@ -251,8 +252,8 @@ CLI_CASES = {
     "max_tokens_huge": (["--max-tokens", "99999999999999999999"], "--max-tokens must be an integer"),
     "max_new_tokens_huge": (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens must be an integer"),
     "sink_blocks_huge": (["--sink-blocks", "99999999999999999999"], "--sink-blocks must be an integer"),
-    "gamma_huge": (["--num-speculative-tokens", "99999999999999999999"], "--num-speculative-tokens must be an integer"),
-    "max_gamma_huge": (["--max-speculative-tokens", "99999999999999999999"], "--max-speculative-tokens must be"),
+    "gamma_huge": (["--num-speculative-tokens", "99999999999999999999", "--gamma-policy", "fixed"],
+                   "--num-speculative-tokens must be an integer"),
     "block_size_huge": (["--block-size", "99999999999999999999"], "--block-size must be an integer"),
     "refresh_huge": (["--refresh-interval", "99999999999999999999"], "--refresh-interval must be an integer"),
     "top_k_huge": (["--top-k", "99999999999999999999"], "--top-k must be an integer"),

@@ -19,6 +19,11 @@ from decode_utils import FAMILIES, first_diff, hf_greedy, make_model, make_promp
 pytestmark = [pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN"),
               pytest.mark.usefixtures("one_thread")]
 
+def _policy(gamma):
+    """``gamma_policy`` for a parametrized γ: an int is the γ of every iteration."""
+    return "auto" if gamma == "auto" else "fixed"
+
+
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 7), (5, 7), (3, 4, 7), (2, 3, 7, 7)])
@@ -152,6 +157,7 @@ def test_packed_model_decodes_losslessly(family, gamma):
     ref = hf_greedy(model, ids, mask, 24, eos_token_id=[])
     with torch.inference_mode():
         out = vegas_ext.generate(model, ids, mask, max_new_tokens=24, num_speculative_tokens=gamma,
+                                 gamma_policy=_policy(gamma),
                                  sparse_attn_ratio=0.25, sparse_attn_min_tokens=8, block_size=4, eos_token_id=[])
         assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
         assert out.stats["num_draft_tokens"] > 0 or gamma == "auto"
@@ -246,7 +252,7 @@ def test_packed_model_greedy_after_data_edits_equals_unpacked():
     got = hf_greedy(packed, ids, mask, 16, eos_token_id=[])
     assert torch.equal(got, ref), first_diff(got, ref)
     with torch.inference_mode():
-        out = vegas_ext.generate(packed, ids, mask, max_new_tokens=16, num_speculative_tokens=3,
+        out = vegas_ext.generate(packed, ids, mask, max_new_tokens=16, num_speculative_tokens=3, gamma_policy="fixed",
                                  sparse_attn_ratio=0.25, sparse_attn_min_tokens=8, block_size=4, eos_token_id=[])
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
 

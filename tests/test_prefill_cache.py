@@ -12,7 +12,8 @@ from decode_utils import first_diff, hf_greedy, make_model, one_thread  # noqa: 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KW = dict(max_new_tokens=40, num_speculative_tokens=4, sparse_attn_ratio=0.05, sparse_attn_min_tokens=16,
+KW = dict(max_new_tokens=40, num_speculative_tokens=4, gamma_policy="fixed", sparse_attn_ratio=0.05,
+          sparse_attn_min_tokens=16,
           block_size=8, eos_token_id=[])
 
 
@@ -57,7 +58,7 @@ def test_prefill_cache_after_in_place_weight_change_or_dtype_change_is_not_reuse
 
 
 # --------------------------------------------------------------------------- case 008: the model's function
-CASE_KW = dict(max_new_tokens=8, num_speculative_tokens=3, eos_token_id=[], pad_token_id=0)
+CASE_KW = dict(max_new_tokens=8, num_speculative_tokens=3, gamma_policy="fixed", eos_token_id=[], pad_token_id=0)
 
 
 def _case_model_and_prompts():
@@ -247,9 +248,27 @@ def test_prefill_cache_is_reused_on_the_embedded_model_as_loaded():
     m, tok = models.load_model()
     ids = tok(["The quick brown fox jumps over the lazy dog. " * 8], return_tensors="pt").input_ids
     pc = {}
-    kw = dict(max_new_tokens=4, num_speculative_tokens=2, prefill_cache=pc)
+    kw = dict(max_new_tokens=4, num_speculative_tokens=2, gamma_policy="fixed", prefill_cache=pc)
     first = vegas_ext.generate(m, ids, **kw)
     again = vegas_ext.generate(m, ids, **kw)
     assert first.stats["prefill_miss"] == "empty"
     assert again.stats["prefill_reused"] and again.stats["prefill_miss"] is None
     assert torch.equal(first.sequences, again.sequences)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("module", ["embed", "v_proj", "lm_head"])
+def test_prefill_cache_is_not_reused_after_a_dtype_round_trip(module, dtype):
+    """Break test: ``module.to(low).to(float32)`` rounds the weights and gives them a new storage,
+    which the allocator used to place at the freed storage's address: the fingerprint matched and
+    the stale prefill was reused (wrong tokens). The dict now holds the storages it keyed."""
+    m, ids, mask = _case_model_and_prompts()
+    mod = {"embed": m.model.embed_tokens, "v_proj": m.model.layers[0].self_attn.v_proj, "lm_head": m.lm_head}[module]
+    pc = {}
+    vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    mod.to(dtype)
+    mod.to(torch.float32)
+    out = vegas_ext.generate(m, ids, mask, prefill_cache=pc, **CASE_KW)
+    assert not out.stats["prefill_reused"] and out.stats["prefill_miss"] == "model changed: weights"
+    ref = hf_greedy(m, ids, mask, 8, eos_token_id=[])
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)

@@ -18,6 +18,11 @@ FAMILIES = ("llama", "qwen3")
 FULL = dict(sparse_attn_ratio=1.0, sparse_attn_min_tokens=0)
 SPARSE = dict(sparse_attn_ratio=0.25, sparse_attn_min_tokens=8, block_size=4)
 
+def _policy(gamma):
+    """``gamma_policy`` for a parametrized γ: an int is the γ of every iteration."""
+    return "auto" if gamma == "auto" else "fixed"
+
+
 
 def _rope(rtype: str, head_dim: int, max_pos: int) -> dict:
     rp = dict(rope_type=rtype, rope_theta=10000.0)
@@ -42,7 +47,8 @@ def _model(family: str, rtype: str, max_pos: int = 256):
 
 def _check_exact(model, lengths, new, gamma, **kw):
     ids, mask = make_prompts(model.config.vocab_size, lengths, seed=0)
-    out = vegas_ext.generate(model, ids, mask, max_new_tokens=new, num_speculative_tokens=gamma, eos_token_id=[],
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=new, num_speculative_tokens=gamma,
+                             gamma_policy=_policy(gamma), eos_token_id=[],
                              pad_token_id=0, **kw)
     ref = hf_greedy(model, ids, mask, out.sequences.shape[1] - ids.shape[1], eos_token_id=[])
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
@@ -81,7 +87,8 @@ def test_longrope_past_its_original_length_is_refused_before_any_forward(family)
     ids, mask = make_prompts(m.config.vocab_size, [26], seed=0)
     for new in (20, ORIG - 26 + 1):  # the case's 007 geometry, and one token past the boundary
         with pytest.raises(ValueError, match=r"rope_type'\]='longrope'.*original_max_position_embeddings=32"):
-            vegas_ext.generate(m, ids, mask, max_new_tokens=new, num_speculative_tokens=4, eos_token_id=[],
+            vegas_ext.generate(m, ids, mask, max_new_tokens=new, num_speculative_tokens=4, gamma_policy="fixed",
+                               eos_token_id=[],
                                pad_token_id=0, **FULL)
     assert calls == []
     with pytest.raises(ValueError, match="longrope"):
@@ -142,6 +149,8 @@ def test_dynamic_rope_refuses_a_batch_a_row_of_which_would_pass_max_position_emb
                    max_position_embeddings=64, initializer_range=0.15)
     ids, mask = make_prompts(m.config.vocab_size, [60, 5], seed=0)
     with pytest.raises(ValueError, match=r"max_new_tokens=40: with rope_type='dynamic'.*at most 5"):
-        vegas_ext.generate(m, ids, mask, max_new_tokens=40, num_speculative_tokens=3, eos_token_id=[], pad_token_id=0)
-    out = vegas_ext.generate(m, ids, mask, max_new_tokens=5, num_speculative_tokens=3, eos_token_id=[], pad_token_id=0)
+        vegas_ext.generate(m, ids, mask, max_new_tokens=40, num_speculative_tokens=3, gamma_policy="fixed",
+                           eos_token_id=[], pad_token_id=0)
+    out = vegas_ext.generate(m, ids, mask, max_new_tokens=5, num_speculative_tokens=3, gamma_policy="fixed",
+                             eos_token_id=[], pad_token_id=0)
     assert torch.equal(out.sequences, hf_greedy(m, ids, mask, 5, eos_token_id=[]))

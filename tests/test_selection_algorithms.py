@@ -77,7 +77,8 @@ def test_lossless_greedy(variant, family, batch):
     if family == "qwen2" and variant not in ("streamingllm", "quest", "vegas"):
         pytest.skip("variants checked on llama")
     model, ids, mask, ref = _case(family, batch)
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, **{**SMALL, **VARIANTS[variant]})
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
+                   **{**SMALL, **VARIANTS[variant]})
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
     s = out.stats
     assert s["num_draft_tokens"] > 0
@@ -163,7 +164,8 @@ def test_selected_blocks_respect_budget_sinks_and_tail(alg, share):
         pytest.skip("sharing is a vegas option")
     model, ids, mask, ref = _case("llama", 3)
     _LOG.clear()
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm=alg,
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
+                   sparse_attn_algorithm=alg,
                    num_sink_blocks=2, share_selection_across_heads=share, **SMALL)
     assert torch.equal(out.sequences, ref)
     _check_log(2)
@@ -193,7 +195,7 @@ def test_streaming_indices_unit():
 def test_refresh_interval_keeps_selection_between_refreshes():
     model, ids, mask, ref = _case("llama", 3)
     _LOG.clear()
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
                    sparse_attn_algorithm="_test_rec_vegas", selection_refresh_interval=3, **SMALL)
     assert torch.equal(out.sequences, ref)
     _check_log(1, exact_count=False)  # kept blocks lie before the (later) tail, within the older budget
@@ -215,7 +217,7 @@ def test_quest_metadata_equals_recomputation_after_appends_and_rollbacks(block_s
     _RecQuest.check_metadata = True
     _RecQuest.mismatches = []
     try:
-        out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+        out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
                        sparse_attn_algorithm="_test_rec_quest", return_cache=True,
                        **{**SMALL, "block_size": block_size})
     finally:
@@ -239,7 +241,7 @@ def test_quest_metadata_after_generate_matches_cache():
             assert self.key_min == [] and self._state is None and state.write_hook is None
 
     model, ids, mask, ref = _case("llama", 3)
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA,
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
                    sparse_attn_algorithm="_test_keep_quest", return_cache=True, **SMALL)
     assert torch.equal(out.sequences, ref)
     key_min, key_max, cache = holder["key_min"], holder["key_max"], out.cache
@@ -257,7 +259,8 @@ def test_quest_metadata_after_generate_matches_cache():
 
 def test_quest_selection_time_is_accounted():
     model, ids, mask, ref = _case("llama", 1)
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm="quest",
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
+                   sparse_attn_algorithm="quest",
                    **SMALL)
     s = out.stats
     assert s["time_select_inline_s"] > 0
@@ -274,10 +277,12 @@ def test_quest_selection_time_is_accounted():
 def test_prefill_cache_reuse_is_lossless(alg):
     model, ids, mask, ref = _case("llama", 3)
     pc = {}
-    first = generate(model, ids, mask, max_new_tokens=1, num_speculative_tokens=0, sparse_attn_algorithm="full",
+    first = generate(model, ids, mask, max_new_tokens=1, num_speculative_tokens=0, gamma_policy="fixed",
+                     sparse_attn_algorithm="full",
                      eos_token_id=[], prefill_cache=pc)
     assert not first.stats["prefill_reused"] and pc["ids"].shape == (3, 299)
-    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, sparse_attn_algorithm=alg,
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
+                   sparse_attn_algorithm=alg,
                    prefill_cache=pc, **SMALL)
     assert out.stats["prefill_reused"]
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vegas_ext
-from vegas_ext import decode
+from vegas_ext import decode, speculation
 from vegas_ext.decode import make_warpers, speculative_accept
 
 from decode_utils import make_model, one_thread  # noqa: F401
@@ -173,7 +173,7 @@ def test_generate_sampling_matches_target_distribution(temperature, top_k, top_p
         model,
         prompt.expand(n, -1),
         max_new_tokens=K_NEW,
-        num_speculative_tokens=3,
+        num_speculative_tokens=3, gamma_policy="fixed",
         sparse_attn_ratio=0.01,
         sparse_attn_min_tokens=0,
         block_size=4,
@@ -203,7 +203,8 @@ def test_generate_sampling_detects_a_broken_acceptance(monkeypatch, broken):
     joint = _exact_joint(model, prompt, make_warpers())
     monkeypatch.setattr(decode, "speculative_accept", broken)
     out = vegas_ext.generate(
-        model, prompt.expand(N_ROWS, -1), max_new_tokens=K_NEW, num_speculative_tokens=3, sparse_attn_ratio=0.01,
+        model, prompt.expand(N_ROWS,
+                -1), max_new_tokens=K_NEW, num_speculative_tokens=3, gamma_policy="fixed", sparse_attn_ratio=0.01,
         sparse_attn_min_tokens=0, block_size=4, do_sample=True, eos_token_id=[],
         generator=torch.Generator().manual_seed(1),
     )
@@ -215,7 +216,8 @@ def test_generate_sampling_detects_a_broken_acceptance(monkeypatch, broken):
 def test_sampling_is_reproducible_with_a_generator():
     model = make_model("qwen3")
     prompt = torch.randint(3, model.config.vocab_size, (2, 80), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=16, num_speculative_tokens=4, sparse_attn_min_tokens=16, block_size=8, do_sample=True,
+    kw = dict(max_new_tokens=16, num_speculative_tokens=4, gamma_policy="fixed", sparse_attn_min_tokens=16,
+              block_size=8, do_sample=True,
               temperature=0.9, top_p=0.95, eos_token_id=[])
     a = vegas_ext.generate(model, prompt, generator=torch.Generator().manual_seed(5), **kw).sequences
     b = vegas_ext.generate(model, prompt, generator=torch.Generator().manual_seed(5), **kw).sequences
@@ -224,7 +226,7 @@ def test_sampling_is_reproducible_with_a_generator():
     assert not torch.equal(a, c)
 
 
-class _AutoCheapDrafts(decode.AutoGamma):
+class _AutoCheapDrafts(speculation.AutoGamma):
     """``"auto"`` fed synthetic costs under which speculation pays, and no plain warm-up step:
     it drafts whenever a row may still emit a draft, as many as its acceptance estimates favour."""
 
@@ -244,13 +246,13 @@ def test_generate_sampling_with_auto_gamma_matches_target_distribution(policy, m
     """``num_speculative_tokens="auto"`` chooses gamma from past acceptance and timings only, so
     the sampled tokens keep the target distribution whatever it picks."""
     if policy == "cheap_drafts":
-        monkeypatch.setattr(decode, "AutoGamma", _AutoCheapDrafts)
+        monkeypatch.setattr(speculation, "AutoGamma", _AutoCheapDrafts)
     model = _small_model()
     prompt = torch.randint(0, V_SMALL, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     joint = _exact_joint(model, prompt, make_warpers(0.8, 4, 0.9))
     out = vegas_ext.generate(
-        model, prompt.expand(N_ROWS, -1), max_new_tokens=K_NEW, num_speculative_tokens="auto",
-        max_speculative_tokens=4, sparse_attn_ratio=0.01, sparse_attn_min_tokens=0, block_size=4,
+        model, prompt.expand(N_ROWS, -1), max_new_tokens=K_NEW, num_speculative_tokens=4,
+        gamma_policy="auto", sparse_attn_ratio=0.01, sparse_attn_min_tokens=0, block_size=4,
         do_sample=True, temperature=0.8, top_k=4, top_p=0.9, eos_token_id=[],
         generator=torch.Generator().manual_seed(3),
     )

@@ -241,7 +241,15 @@ class VegasCache(Cache):
     def for_model(cls, model, batch_size: int, max_len: int) -> "VegasCache":
         """A cache sized for ``model`` (a HF ``*ForCausalLM``): layers, KV heads and head_dim from its
         config, dtype from its parameters, device :func:`model_device` (the execution device of an
-        offloaded model)."""
+        offloaded model). Raises ``ValueError`` (before allocating) when it would not fit in the
+        device's free memory (:func:`cache_bytes`)."""
+        n = cache_bytes(model, batch_size, max_len)
+        free = free_memory_bytes(model_device(model))
+        if free is not None and n > free:
+            raise ValueError(
+                f"the KV cache for {batch_size} row(s) of up to {max_len:,} positions takes {n / 2**30:,.1f} GiB, "
+                f"allocated up front, more than the {free / 2**30:,.1f} GiB free on {model_device(model)}; lower "
+                "max_new_tokens (rows still end early at EOS) or the batch size")
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -305,3 +313,28 @@ class VegasCache(Cache):
         """The valid K/V of one row, ``[H_kv, lengths[row], D]`` each (views, for tests/inspection)."""
         n = int(self.lengths[row])
         return self.layers[layer_idx].keys[row, :, :n], self.layers[layer_idx].values[row, :, :n]
+
+
+def cache_bytes(model, batch_size: int, max_len: int) -> int:
+    """Bytes of a :meth:`VegasCache.for_model` cache: K and V of every layer, ``[B, H_kv, max_len, D]``."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    size = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * batch_size * n_kv * max_len * head_dim * size
+
+
+def free_memory_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of ``device`` in bytes: the GPU's (``torch.cuda.mem_get_info``), or the host's
+    available physical memory; ``None`` where it cannot be told."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:  # Linux: what can be allocated without swapping
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass
+    return None

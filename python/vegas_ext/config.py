@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "check_int", "check_float", "check_bool", "check_choice", "check_token_ids",
     "check_length", "check_speculation", "check_budget", "check_selection", "check_sampling",
     "check_generate_options", "check_seed", "check_draft_weights", "budget_blocks", "check_model_path",
+    "DOORS", "door_options", "GAMMA_POLICIES", "DRAFT_GRANULARITIES", "LOOP_OPTIONS", "RETIRED_OPTIONS", "VegasConfig",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -59,6 +60,11 @@ DEFAULT_BLOCK_SIZE: Mapping[str, int] = {"full": 16, "quest": 16, "streamingllm"
 #: attention through one KV cache).
 SUPPORTED_MODEL_TYPES: Tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 QUERY_WEIGHTS: Tuple[str, ...] = ("all", "first_last")
+#: ``gamma_policy`` values: the number of drafts chosen per iteration from the measured acceptance
+#: and costs (``"auto"``), or always ``num_speculative_tokens`` (``"fixed"``).
+GAMMA_POLICIES: Tuple[str, ...] = ("auto", "fixed")
+#: The vLLM plugin's ``draft_granularity`` values: drafts attend to selected tokens or whole pages.
+DRAFT_GRANULARITIES: Tuple[str, ...] = ("page", "token")
 #: ``draft_weights``: the precision of the weights the draft steps read (``None``: the model's own).
 #: Only what is implemented: the lists shown in errors and ``--help`` come from here.
 DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8")
@@ -253,11 +259,20 @@ def check_seed(v: Any, name: str = "seed") -> int:
 
 # ------------------------------------------------------------------------------ the option table
 
+#: The doors an option can be given through: :func:`vegas_ext.generate`, HF's ``model.generate``
+#: (``custom_generate=vegas_ext.hf.generate``), the ``vegas generate`` CLI, the vLLM plugin.
+DOORS: Tuple[str, ...] = ("generate", "hf", "cli", "vllm")
+_LOOP_DOORS = ("generate", "hf", "cli")
+
+
 @dataclass(frozen=True)
 class Option:
     """One option: its API name, default, kind (``"int"``, ``"float"``, ``"bool"``,
     ``"choice"``, ``"gamma"``), range and what it means. ``low_open`` / ``high_open``: open ends
-    of a float interval; ``none_ok``: ``None`` allowed; ``cli``: the ``vegas generate`` flag."""
+    of a float interval; ``none_ok``: ``None`` allowed; ``cli``: the ``vegas generate`` flag;
+    ``vllm``: the key of the vLLM plugin's ``speculative_config`` (``None``: not offered there);
+    ``doors``: where it is offered (:data:`DOORS`); ``door_defaults``: a door whose default must
+    differ, ``{door: (default, why)}``."""
 
     name: str
     default: Any
@@ -270,6 +285,13 @@ class Option:
     choices: Tuple[Any, ...] = ()
     cli: Optional[str] = None
     doc: str = ""
+    vllm: Optional[str] = None
+    doors: Tuple[str, ...] = _LOOP_DOORS
+    door_defaults: Mapping[str, Tuple[Any, str]] = field(default_factory=dict)
+
+    def default_at(self, door: str) -> Any:
+        """This option's default at ``door`` (one of :data:`DOORS`)."""
+        return self.door_defaults[door][0] if door in self.door_defaults else self.default
 
     def check(self, v: Any, label: Optional[str] = None, *, choices: Optional[Iterable[Any]] = None) -> Any:
         """``v`` validated (and normalized: numpy / 0-d tensor integers to ``int``); errors name
@@ -301,42 +323,68 @@ def _opt(*a, **k) -> Option:
     return Option(*a, **k)
 
 
-#: Every option of :func:`vegas_ext.generate` (and the ``vegas generate`` flag that sets it).
+#: Every option, once: name, default, type and range, the ``vegas generate`` flag, the vLLM key.
+#: The defaults are the fastest lossless ones measured (docs/options.md); a door whose default
+#: differs says why. :class:`VegasConfig` is built from this table at every door.
 OPTIONS: Dict[str, Option] = {o.name: o for o in (
-    _opt("max_new_tokens", None, "int", 0, INT64_MAX, cli="--max-new-tokens",
-         doc="new tokens per row (the CLI asks for >= 1)"),
-    _opt("num_speculative_tokens", "auto", "gamma", 0, INT64_MAX, cli="--num-speculative-tokens",
-         doc="drafts per iteration, γ: 'auto' or an int (0: plain steps; the CLI and vLLM ask for >= 1)"),
-    _opt("max_speculative_tokens", 8, "int", 1, INT64_MAX, cli="--max-speculative-tokens",
-         doc="the largest γ of 'auto'"),
-    _opt("draft_weights", None, "choice", choices=DRAFT_WEIGHTS,
-         doc="precision of the weights the draft steps read; None: the model's own"),
+    _opt("max_new_tokens", None, "int", 0, INT64_MAX, cli="--max-new-tokens", doors=("generate", "cli"),
+         doc="new tokens per row (the CLI asks for >= 1)",
+         door_defaults={"cli": (128, "a command line needs a length; HF's generate takes its own")}),
+    _opt("num_speculative_tokens", 8, "gamma", 0, INT64_MAX, cli="--num-speculative-tokens",
+         vllm="num_speculative_tokens", doors=DOORS,
+         doc="γ's cap: the most drafts per iteration (0: plain steps; the CLI and vLLM ask for >= 1); 'auto' is "
+             "gamma_policy='auto' with the default cap",
+         door_defaults={"vllm": (6, "vLLM reserves γ lookahead slots per request in every step; the plugin's "
+                                    "grid (docs/vllm_gamma.md) was measured at γ <= 6")}),
+    _opt("gamma_policy", "auto", "choice", choices=GAMMA_POLICIES, cli="--gamma-policy", vllm="gamma_policy",
+         doors=DOORS, doc="'auto': each iteration (vLLM: each request) drafts 0..num_speculative_tokens, chosen "
+                          "from the measured acceptance and step costs; 'fixed': always num_speculative_tokens"),
+    _opt("draft_weights", "int8", "choice", choices=DRAFT_WEIGHTS, cli="--draft-weights", vllm="draft_weights",
+         doors=DOORS, doc="precision of the weights the draft steps read; None: the model's own (verification "
+                          "always reads the model's own, so the output is unchanged)"),
     _opt("sparse_attn_algorithm", "vegas", "choice", choices=ALGORITHMS, cli="--algorithm",
-         doc="the draft's KV selection"),
-    _opt("sparse_attn_ratio", 0.05, "float", 0.0, 1.0, low_open=True, cli="--ratio",
-         doc="draft KV budget as a fraction of the context"),
-    _opt("sparse_attn_min_tokens", 256, "int", 0, INT32_MAX, cli="--min-tokens",
-         doc="lower clamp of the budget in tokens (int32: the budget in blocks is an int32 tensor)"),
+         vllm="sparse_attn_algorithm", doors=DOORS, doc="the draft's KV selection (vLLM: vegas, streamingllm)"),
+    _opt("sparse_attn_ratio", 0.05, "float", 0.0, 1.0, low_open=True, cli="--ratio", vllm="sparse_attn_ratio",
+         doors=DOORS, doc="draft KV budget as a fraction of the context"),
+    _opt("sparse_attn_min_tokens", 256, "int", 0, INT32_MAX, cli="--min-tokens", vllm="sparse_attn_min_tokens",
+         doors=DOORS, doc="lower clamp of the budget in tokens (int32: the budget in blocks is an int32 tensor)"),
     _opt("sparse_attn_max_tokens", None, "int", 1, INT64_MAX, none_ok=True, cli="--max-tokens",
+         vllm="sparse_attn_max_tokens", doors=DOORS,
          doc="upper clamp of the budget in tokens, >= max(1, sparse_attn_min_tokens); None: none"),
     _opt("block_size", None, "int", 1, INT64_MAX, none_ok=True, cli="--block-size",
-         doc="tokens per KV selection block; None: DEFAULT_BLOCK_SIZE of the algorithm"),
-    _opt("num_sink_blocks", 1, "int", 0, INT32_MAX, cli="--sink-blocks",
-         doc="leading blocks always selected (attention sinks); the plugin's num_sink_pages"),
+         doc="tokens per KV selection block; None: DEFAULT_BLOCK_SIZE of the algorithm (vLLM: its page size)"),
+    _opt("num_sink_blocks", 1, "int", 0, INT32_MAX, cli="--sink-blocks", vllm="num_sink_pages", doors=DOORS,
+         doc="leading blocks always selected (attention sinks); the plugin's blocks are vLLM's pages"),
     _opt("share_selection_across_heads", False, "bool", cli="--share-selection",
          doc="one block set per layer instead of one per KV head"),
     _opt("query_weights", "all", "choice", choices=QUERY_WEIGHTS, cli="--query-weights",
          doc="verification queries that score blocks"),
     _opt("selection_refresh_interval", 1, "int", 1, INT64_MAX, cli="--refresh-interval",
          doc="re-select the draft blocks every n iterations"),
-    _opt("do_sample", False, "bool", cli="--do-sample", doc="speculative sampling instead of greedy"),
-    _opt("temperature", 1.0, "float", MIN_TEMPERATURE, math.inf, cli="--temperature",
+    _opt("draft_granularity", "page", "choice", choices=DRAFT_GRANULARITIES, vllm="draft_granularity",
+         doors=("vllm",), doc="vLLM: drafts attend to whole selected pages or to selected tokens (the loop's "
+                              "block_size=1)"),
+    # HF's generate takes these four (and the length) from its own generation config
+    _opt("do_sample", False, "bool", cli="--do-sample", doc="speculative sampling instead of greedy",
+         doors=("generate", "cli")),
+    _opt("temperature", 1.0, "float", MIN_TEMPERATURE, math.inf, cli="--temperature", doors=("generate", "cli"),
          doc="sampling temperature, >= MIN_TEMPERATURE (range checked with do_sample)"),
-    _opt("top_k", 0, "int", 0, INT64_MAX, cli="--top-k", doc="top-k filter, 0 = off"),
-    _opt("top_p", 1.0, "float", 0.0, 1.0, low_open=True, cli="--top-p",
+    _opt("top_k", 0, "int", 0, INT64_MAX, cli="--top-k", doc="top-k filter, 0 = off", doors=("generate", "cli")),
+    _opt("top_p", 1.0, "float", 0.0, 1.0, low_open=True, cli="--top-p", doors=("generate", "cli"),
          doc="nucleus filter (range checked with do_sample)"),
-    _opt("return_cache", False, "bool", doc="also return the KV cache"),
+    _opt("return_cache", False, "bool", doors=("generate",), doc="also return the KV cache"),
 )}
+#: Options that were folded into others: name -> what to pass instead.
+RETIRED_OPTIONS: Mapping[str, str] = {
+    "max_speculative_tokens": "pass the cap as num_speculative_tokens=N (with gamma_policy='auto', the default)",
+}
+#: The options of the decode loop (:class:`VegasConfig`'s fields), in table order.
+LOOP_OPTIONS: Tuple[str, ...] = tuple(n for n, o in OPTIONS.items() if set(o.doors) & set(_LOOP_DOORS))
+
+
+def door_options(door: str) -> Tuple[str, ...]:
+    """The options offered at ``door`` (one of :data:`DOORS`), in table order."""
+    return tuple(n for n, o in OPTIONS.items() if door in o.doors)
 
 
 def _label(name: str, labels: Optional[Mapping[str, str]]) -> str:
@@ -357,9 +405,10 @@ def check_length(max_new_tokens: Any, labels: Optional[Mapping[str, str]] = None
 
 
 def check_speculation(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
-    """``num_speculative_tokens`` ('auto' or an int >= 0), ``max_speculative_tokens`` (>= 1) and
-    ``draft_weights`` (one of :data:`DRAFT_WEIGHTS`), those of them in ``values``."""
-    return _check(("num_speculative_tokens", "max_speculative_tokens", "draft_weights"), values, labels)
+    """``num_speculative_tokens`` ('auto' or an int >= 0), ``gamma_policy`` (one of
+    :data:`GAMMA_POLICIES`) and ``draft_weights`` (one of :data:`DRAFT_WEIGHTS`), those of them in
+    ``values``."""
+    return _check(("num_speculative_tokens", "gamma_policy", "draft_weights"), values, labels)
 
 
 def check_budget(values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -424,6 +473,86 @@ def check_generate_options(values: Mapping[str, Any], labels: Optional[Mapping[s
     if "return_cache" in values:
         out["return_cache"] = OPTIONS["return_cache"].check(values["return_cache"], _label("return_cache", labels))
     return out
+
+
+# ------------------------------------------------------------------------------ the one options value
+
+def _default(name: str) -> Any:
+    return OPTIONS[name].default  # the table's, written once
+
+
+@dataclass(frozen=True)
+class VegasConfig:
+    """Every option of the decode loop, validated once: what :func:`vegas_ext.generate`, HF's
+    ``model.generate(custom_generate=vegas_ext.hf.generate)`` and the ``vegas`` CLI build from
+    their arguments (:meth:`build`) and carry to the loop, the γ policy and the kernels, which do
+    not check again. Fields: the :data:`LOOP_OPTIONS` (:data:`OPTIONS` says each one's type,
+    range, default and meaning); ``num_speculative_tokens`` is always the int cap here (``"auto"``
+    given at a door becomes ``gamma_policy="auto"`` with the door's default cap).
+
+    Build with :meth:`build` (or :meth:`replace`), not the constructor: they validate."""
+
+    max_new_tokens: Optional[int] = _default("max_new_tokens")
+    num_speculative_tokens: int = _default("num_speculative_tokens")
+    gamma_policy: str = _default("gamma_policy")
+    draft_weights: Optional[str] = _default("draft_weights")
+    sparse_attn_algorithm: str = _default("sparse_attn_algorithm")
+    sparse_attn_ratio: float = _default("sparse_attn_ratio")
+    sparse_attn_min_tokens: int = _default("sparse_attn_min_tokens")
+    sparse_attn_max_tokens: Optional[int] = _default("sparse_attn_max_tokens")
+    block_size: Optional[int] = _default("block_size")
+    num_sink_blocks: int = _default("num_sink_blocks")
+    share_selection_across_heads: bool = _default("share_selection_across_heads")
+    query_weights: str = _default("query_weights")
+    selection_refresh_interval: int = _default("selection_refresh_interval")
+    do_sample: bool = _default("do_sample")
+    temperature: float = _default("temperature")
+    top_k: int = _default("top_k")
+    top_p: float = _default("top_p")
+    return_cache: bool = _default("return_cache")
+
+    @classmethod
+    def build(cls, values: Optional[Mapping[str, Any]] = None, *, door: str = "generate",
+              labels: Optional[Mapping[str, str]] = None, algorithms: Optional[Iterable[str]] = None,
+              base: Optional["VegasConfig"] = None) -> "VegasConfig":
+        """The config of ``values`` (API names; absent ones take ``base``'s value, else the
+        default at ``door``), validated: types, then ranges, then how options combine.
+        ``labels`` maps an API name to the name the door's user knows (a CLI flag);
+        ``algorithms``: the accepted ``sparse_attn_algorithm`` names (default :data:`ALGORITHMS`).
+
+        Raises:
+            OptionTypeError: an unknown option name (listing the known ones) or a wrong type.
+            ValueError: a value out of range, a retired option (with what to pass instead), or
+                ``num_speculative_tokens='auto'`` with ``gamma_policy='fixed'``.
+        """
+        values = dict(values or {})
+        for name in values:
+            if name in RETIRED_OPTIONS:
+                raise ValueError(f"{_label(name, labels)} is no longer an option: {RETIRED_OPTIONS[name]}")
+        unknown = sorted(set(values) - set(LOOP_OPTIONS))
+        if unknown:
+            raise OptionTypeError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(LOOP_OPTIONS)}")
+        checked = check_generate_options(values, labels, algorithms)
+        if base is not None:
+            out = {f.name: getattr(base, f.name) for f in fields(cls)}
+        else:
+            out = {n: OPTIONS[n].default_at(door) for n in LOOP_OPTIONS}
+        out.update(checked)
+        if checked.get("num_speculative_tokens") == "auto":
+            if checked.get("gamma_policy", "auto") != "auto":
+                raise ValueError(f"{_label('num_speculative_tokens', labels)}='auto' asks for "
+                                 f"{_label('gamma_policy', labels)}='auto', got {checked['gamma_policy']!r}; pass "
+                                 "the cap as an int with gamma_policy='fixed'")
+            out["num_speculative_tokens"] = OPTIONS["num_speculative_tokens"].default_at(door)
+            out["gamma_policy"] = "auto"
+        return cls(**out)
+
+    def replace(self, **values: Any) -> "VegasConfig":
+        """A copy with ``values`` changed, validated as :meth:`build` does."""
+        return type(self).build(values, base=self)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 # ------------------------------------------------------------------------------ the budget

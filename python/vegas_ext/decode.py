@@ -38,7 +38,7 @@ from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .attention import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
 from .cache import VegasCache, model_device
 from .draft_forward import lean_draft
-from .draft_weights import check_draft_weights, draft_weights_for
+from .draft_weights import cached_draft_weights
 from .selection import (
     SELECTION_ALGORITHMS,
     FullAttention,
@@ -49,7 +49,7 @@ from .selection import (
     budget_blocks,
     register_selection_algorithm,
 )
-from .speculation import AutoGamma, FixedGamma, GammaPolicy, IterationCosts
+from .speculation import GammaPolicy, IterationCosts, make_gamma_policy
 from .stats import DecodeStats
 
 __all__ = [
@@ -582,13 +582,6 @@ def _left_aligned(input_ids: Tensor, keep: Tensor, prompt_lens: Tensor, filler: 
     return torch.where(ar[None, :] < prompt_lens[:, None], aligned, torch.full_like(aligned, filler))
 
 
-def _check_options(**options) -> dict:
-    """The options of :func:`generate` by name, validated by :mod:`vegas_ext.config` (types, then
-    ranges) and normalized (numpy / 0-d tensor integers to ``int``); raises ``ValueError`` (or
-    :class:`~vegas_ext.config.OptionTypeError`, also a ``ValueError``) naming the first bad one."""
-    return config.check_generate_options(options, algorithms=SELECTION_ALGORITHMS)
-
-
 def _check_model(model) -> None:
     """``model`` is a Hugging Face causal LM (``*ForCausalLM``: a generation config and an output
     head) of a supported ``config.model_type``; else an error naming ``model`` (a ``TypeError``,
@@ -717,32 +710,16 @@ def generate(
     input_ids: Tensor,
     attention_mask: Optional[Tensor] = None,
     *,
-    max_new_tokens: int,
-    num_speculative_tokens: Union[int, str] = "auto",
-    max_speculative_tokens: int = 8,
-    sparse_attn_algorithm: str = "vegas",
-    sparse_attn_ratio: float = 0.05,
-    sparse_attn_min_tokens: int = 256,
-    sparse_attn_max_tokens: Optional[int] = None,
-    block_size: Optional[int] = None,
-    num_sink_blocks: int = 1,
-    share_selection_across_heads: bool = False,
-    query_weights: str = "all",
-    selection_refresh_interval: int = 1,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    vegas_config: Optional[config.VegasConfig] = None,
     eos_token_id: Union[int, Sequence[int], None] = None,
     pad_token_id: Optional[int] = None,
     streamer=None,
     generator: Optional[torch.Generator] = None,
-    return_cache: bool = False,
     prefill_cache: Optional[dict] = None,
-    draft_weights: Optional[str] = None,
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None,
     hf_semantics: bool = False,
+    **options,
 ) -> GenerateOutput:
     """Generate with Vegas self-speculative decoding (arXiv 2602.07223) on a HF causal LM.
 
@@ -772,16 +749,22 @@ def generate(
         input_ids: ``[B, T]`` int64 prompts, left padded.
         attention_mask: ``[B, T]`` 0/1, ones contiguous at the right end of each row (left padding);
             default all ones.
+        vegas_config: a :class:`~vegas_ext.config.VegasConfig` holding the options below, validated
+            where it was built; ``**options`` given as well are applied on top of it.
+        **options: the options of :data:`vegas_ext.config.OPTIONS` by name, each defaulting to the
+            table's value (``docs/options.md``); ``max_new_tokens`` is required:
+
         max_new_tokens: new tokens per row (>= 0). Also capped so a row never goes past the model's
             ``max_position_embeddings`` (it then ends at the last position; HF would extrapolate, and
             so does ``hf_semantics=True``).
-        num_speculative_tokens: drafts per iteration ``gamma``: an int >= 0 (fixed), or ``"auto"``
-            (default): before every iteration the ``g`` in ``0..max_speculative_tokens`` with the
-            most expected emitted tokens per second, from the acceptance rates per draft position
-            and the draft / verify / select costs the loop measures as it runs (``g = 0`` is a
-            plain step; see :class:`vegas_ext.speculation.AutoGamma`). Either way shrunk near a
-            row's end (``max_new_tokens`` or the last position); never writes out of bounds.
-        max_speculative_tokens: the largest ``g`` of ``"auto"`` (>= 1, default 8).
+        num_speculative_tokens: γ's cap, an int >= 0 (default 8; 0: plain steps); the string
+            ``"auto"`` means ``gamma_policy="auto"`` with the default cap.
+        gamma_policy: ``"auto"`` (default): before every iteration the ``g`` in
+            ``0..num_speculative_tokens`` with the most expected emitted tokens per second, from
+            the acceptance rates per draft position and the draft / verify / select costs the loop
+            measures as it runs (``g = 0`` is a plain step; :class:`vegas_ext.speculation.AutoGamma`);
+            ``"fixed"``: every iteration drafts ``num_speculative_tokens``. Either way shrunk near
+            a row's end (``max_new_tokens`` or the last position); never writes out of bounds.
         sparse_attn_algorithm: ``"vegas"`` or ``"full"`` (``gamma = 0``: plain decoding through
             the same cache and kernels), or any name added with :func:`register_selection_algorithm`.
         sparse_attn_ratio: draft KV budget as a fraction of the context, in ``(0, 1]``.
@@ -821,21 +804,21 @@ def generate(
             the model that filled it, computing the same function, reuses it: a weak reference
             plus every parameter's storage address and version, dtype and device, each module's
             plain attributes (``variance_epsilon``, ``scaling``, ...), ``config.to_dict()`` and
-            the matmul precision. A model with a forward hook or pre-hook (or a global one), or
-            an attribute that is not plain data (an assigned ``forward``), never reuses nor
-            stores. ``stats["prefill_miss"]`` says why a call did not reuse (``"empty"``,
-            ``"other prompt"``, ``"other model"``, ``"model changed: modules"``, ``"not
-            fingerprintable: a forward hook on model.model.layers.0"``, ...). Writes through
-            ``param.data`` bypass the version counter: clear the dict after editing weights that
-            way. See ``docs/models.md``.
-        draft_weights: ``None`` (default: drafts use the model's weights), ``"fp16"`` or
-            ``"int8"`` (groups of 64, weight-only): the draft forwards' linears read a
-            low-precision copy of the weights, made once and cached on the model (remade when a
-            weight changes in place or is replaced); verification keeps the model's weights, so
-            the output is unchanged (greedy: token for token; sampling: the target distribution).
-            ``"int4"`` is refused (too inaccurate on the models measured). CUDA: both use a float16
-            copy. ``stats["draft_weights_bytes"]``: the copy's memory. See
-            :mod:`vegas_ext.draft_weights`.
+            the matmul precision. A model with a forward hook or pre-hook (or a global one),
+            inference-tensor weights (in-place edits unseen), or an attribute that is not plain
+            data (an assigned ``forward``), never reuses nor stores. ``stats["prefill_miss"]``
+            says why a call did not reuse (``"empty"``, ``"other prompt"``, ``"other model"``,
+            ``"model changed: modules"``, ``"not fingerprintable: a forward hook on
+            model.model.layers.0"``, ...). Writes through ``param.data`` bypass the version
+            counter: pass a new dict after editing weights that way. :mod:`vegas_ext.prefill_cache`.
+        draft_weights: ``"int8"`` (default; groups of 64, weight-only), ``"fp16"`` or ``None``
+            (drafts use the model's weights): the draft forwards' linears read a low-precision
+            copy of the weights, made once and cached beside the model (remade when a weight
+            changes in place or is replaced; ``vegas_ext.release(model)`` drops it); verification
+            keeps the model's weights, so the output is unchanged (greedy: token for token;
+            sampling: the target distribution). ``"int4"`` is refused (too inaccurate on the
+            models measured). CUDA: a float16 copy of a float32 model, none of a 16-bit one.
+            ``stats["draft_weights_bytes"]``: the copy's memory. :mod:`vegas_ext.draft_weights`.
         logits_processor: optional HF-style ``(input_ids [n, L] int64, scores [n, V] float32) ->
             scores`` (e.g. a ``transformers.LogitsProcessorList``) applied, as plain decoding
             applies it, to the target logits of every verified position and to every draft
@@ -889,26 +872,18 @@ def generate(
     Defaults, and the measurements behind them: ``docs/options.md``.
     """
     _check_model(model)
-    opts = _check_options(
-        max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
-        max_speculative_tokens=max_speculative_tokens,
-        sparse_attn_algorithm=sparse_attn_algorithm, sparse_attn_ratio=sparse_attn_ratio,
-        sparse_attn_min_tokens=sparse_attn_min_tokens, sparse_attn_max_tokens=sparse_attn_max_tokens,
-        block_size=block_size, num_sink_blocks=num_sink_blocks, selection_refresh_interval=selection_refresh_interval,
-        share_selection_across_heads=share_selection_across_heads,
-        query_weights=query_weights, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        return_cache=return_cache,
-    )
+    cfg = _vegas_config(vegas_config, options)
+    opts = cfg.to_dict()
     prefill_cache_mod.check_prefill_cache(prefill_cache)
     eos_ids, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
-    _check_call_args(model, draft_weights, logits_processor, stopping_criteria)
+    _check_call_args(model, logits_processor, stopping_criteria)
     hf_semantics = config.check_bool(hf_semantics, "hf_semantics")
     input_ids, keep, prompt_lens, device, max_pos = _left_padded_prompts(model, input_ids, attention_mask, streamer,
                                                                          hf_semantics)
     if hf_semantics:
         max_pos = _hf_position_limit(model, prompt_lens, opts["max_new_tokens"], max_pos)
     plan = _plan(model, opts, prompt_lens, max_pos)
-    config_used = _config_used(opts, plan, prompt_lens, next(model.parameters()).dtype, device, draft_weights)
+    config_used = _config_used(opts, plan, prompt_lens, next(model.parameters()).dtype, device)
     if opts["max_new_tokens"] == 0:  # no forward, but the same model checks as a decoding call
         check_model_supported(model, plan.max_context)
         stats = DecodeStats.for_gamma(plan.policy.max_gamma).as_dict(0.0, 0)
@@ -920,11 +895,11 @@ def generate(
         do_sample=opts["do_sample"], generator=generator,
         warpers=make_warpers(opts["temperature"], opts["top_k"], opts["top_p"]) if opts["do_sample"] else None,
         eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
-        sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), compact=not return_cache,
+        sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), compact=not cfg.return_cache,
         streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         prompt_ids=input_ids, pad_token_id=pad_token_id,
         # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
-        draft_weights=_draft_copies(model, draft_weights) if plan.strategy.drafts and draft_weights else None,
+        draft_weights=_draft_copies(model, cfg.draft_weights) if plan.strategy.drafts and cfg.draft_weights else None,
     )
     filler = pad_token_id if 0 <= pad_token_id < int(model.config.vocab_size) else 0
     aligned = _left_aligned(input_ids, keep, prompt_lens, filler)
@@ -948,20 +923,33 @@ def generate(
         streamer.end()
     stats = _collect_stats(state, config_used, t_total, inline_pre, reused=reused, prefill_cache=prefill_cache)
     sequences = torch.cat([input_ids, state.new_tokens[:, : int(state.n_gen_all.max())]], 1)
-    return GenerateOutput(sequences=sequences, stats=stats, cache=state.cache if return_cache else None)
+    return GenerateOutput(sequences=sequences, stats=stats, cache=state.cache if cfg.return_cache else None)
 
 
 def _draft_copies(model, draft_weights):
     """The model's :class:`~vegas_ext.draft_weights.DraftWeights` for ``draft_weights``, or ``None``
     where it holds no copy (every linear offloaded to the meta device: the drafts read the model's own)."""
-    dw = draft_weights_for(model, draft_weights)
+    dw = cached_draft_weights(model, draft_weights)  # the kind was checked with the options
     return dw if dw.num_linears else None
 
 
-def _check_call_args(model, draft_weights, logits_processor, stopping_criteria) -> None:
+def _vegas_config(given: Optional[config.VegasConfig], options: dict) -> config.VegasConfig:
+    """The one validated options value of a :func:`generate` call: ``given`` (built at another door)
+    with ``options`` on top, validated here once (:meth:`~vegas_ext.config.VegasConfig.build`)."""
+    if given is not None and not isinstance(given, config.VegasConfig):
+        raise config.OptionTypeError(f"vegas_config must be a vegas_ext.config.VegasConfig or None, got "
+                                     f"{type(given).__name__}")
+    cfg = given
+    if options or given is None:
+        cfg = config.VegasConfig.build(options, algorithms=SELECTION_ALGORITHMS, base=given)
+    if cfg.max_new_tokens is None:
+        raise config.OptionTypeError("generate() needs max_new_tokens (an int >= 0, the new tokens per row)")
+    return cfg
+
+
+def _check_call_args(model, logits_processor, stopping_criteria) -> None:
     """The arguments of :func:`generate` that are not options of :mod:`vegas_ext.config`; warns when
     the model's generation config asks for processors this call will not apply."""
-    check_draft_weights(draft_weights)
     for name, fn in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name} must be callable (input_ids, scores) or None, got {type(fn).__name__}")
@@ -1019,15 +1007,12 @@ def _plan(model, opts: dict, prompt_lens: Tensor, max_pos: int) -> _Plan:
         share_selection_across_heads=bool(opts["share_selection_across_heads"]),
         refresh_interval=int(opts["selection_refresh_interval"]),
     ))
-    g = opts["num_speculative_tokens"]
-    if not strategy.drafts:
-        policy: GammaPolicy = FixedGamma(0)
-    elif g == "auto":  # auto's work grows with its range: no wider than useful
-        policy = AutoGamma(max(1, min(int(opts["max_speculative_tokens"]), max_new - 1, max_pos)))
-    else:
-        policy = FixedGamma(min(int(g), max_pos))
+    cap = opts["num_speculative_tokens"] if strategy.drafts else 0
+    if opts["gamma_policy"] == "auto":  # auto's work grows with its range: no wider than useful
+        cap = min(cap, max(1, max_new - 1))
+    policy = make_gamma_policy(min(cap, max_pos), opts["gamma_policy"])
     # no iteration drafts more than a row can still emit, so the cache needs at most n_cap - 1
-    # draft slots whatever gamma (or max_speculative_tokens) was asked for
+    # draft slots whatever gamma was asked for
     cache_len = min(Lmax + n_cap, max_pos) + min(policy.max_gamma, max(n_cap - 1, 0)) + 1
     return _Plan(prompt_lens=prompt_lens, limit_new=limit_new, n_cap=n_cap, block_size=block_size,
                  strategy=strategy, policy=policy, cache_len=cache_len, max_context=min(Lmax + n_cap, max_pos),
@@ -1055,7 +1040,7 @@ def _new_token_limits(model, prompt_lens: Tensor, max_new_tokens: int, max_pos: 
     return limit_new
 
 
-def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device, draft_weights) -> dict:
+def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device) -> dict:
     """The configuration a call ran with, as reported in its ``stats``."""
     keys = ("sparse_attn_algorithm", "sparse_attn_max_tokens", "query_weights")
     out = {k: opts[k] for k in keys}
@@ -1065,17 +1050,16 @@ def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device, dr
     out.update({k: bool(opts[k]) for k in ("share_selection_across_heads", "do_sample")})
     gamma = plan.policy.max_gamma
     out.update({
-        "num_speculative_tokens": "auto" if isinstance(plan.policy, AutoGamma) else gamma,
-        "max_speculative_tokens": gamma, "block_size": int(plan.block_size), "batch_size": len(prompt_lens),
+        "num_speculative_tokens": gamma, "block_size": int(plan.block_size), "batch_size": len(prompt_lens),
         "prompt_lengths": prompt_lens.tolist(), "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device), "draft_weights": draft_weights,
+        "device": str(device), "draft_weights": opts["draft_weights"],
     })
     return {k: out[k] for k in _CONFIG_KEYS}
 
 
 #: the order of the configuration keys in ``stats``
 _CONFIG_KEYS = (
-    "sparse_attn_algorithm", "num_speculative_tokens", "max_speculative_tokens", "sparse_attn_ratio",
+    "sparse_attn_algorithm", "num_speculative_tokens", "sparse_attn_ratio",
     "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size", "num_sink_blocks",
     "share_selection_across_heads", "query_weights", "selection_refresh_interval", "do_sample", "temperature",
     "top_k", "top_p", "max_new_tokens", "batch_size", "prompt_lengths", "dtype", "device", "draft_weights",

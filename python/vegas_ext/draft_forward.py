@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .draft_weights import wrapped_for_drafts
+from .draft_weights import own_forward
 
 __all__ = ["LeanDraft", "lean_draft"]
 
@@ -73,16 +73,16 @@ def _norm(mod: nn.Module) -> Optional[Tuple[Tensor, float]]:
 
 
 def _plain_module(m: nn.Module) -> bool:
-    """No hooks and no replaced ``forward`` (the draft weights' own wrapper aside)."""
+    """No hooks and no replaced ``forward``."""
     return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) and (
-        "forward" not in m.__dict__ or wrapped_for_drafts(m))
+        "forward" not in m.__dict__)
 
 
 def _linear_fn(dw, mod: nn.Module) -> Callable[[Tensor], Tensor]:
     """``x -> mod(x)`` on the module's low-precision copy when ``dw`` holds one, else the module."""
     c = dw.copy_of(mod) if dw is not None else None
     if c is None or c.weight.device.type != "cpu":
-        fwd = type(mod).forward  # the class's own: the draft weights' wrapper would only pass it on
+        fwd = own_forward(type(mod))  # not the draft weights' wrapper: it would only pass it on
         return lambda x: fwd(mod, x)
     w, s, b, gs = c.weight, c.scales, c.bias, _group_size()
     return lambda x: _WOL(x, w, s, b, gs)

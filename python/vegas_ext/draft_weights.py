@@ -27,8 +27,9 @@ or bias is replaced (another tensor object) or changed in place (version counter
 writes into ``param.data`` in place and in-place edits of inference tensors bypass both and are not
 seen: call ``vegas_ext.release(model)`` after such edits; the output stays exact either way, only
 the acceptance of drafts would suffer). While :meth:`DraftWeights.installed`
-is entered, each linear's ``forward`` is wrapped by a function that takes the copy only inside
-:meth:`DraftWeights.active` (a per-thread context flag), else calls the original forward.
+is entered, the linears' classes' ``forward`` is wrapped by a function that takes the copy only
+inside :meth:`DraftWeights.active` (a per-thread context flag) for a module that has one, else
+calls the class's own forward (a class attribute: nothing lands on the model's modules).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "DraftWeights", "check_draft_weights", "draft_weights_for",
-           "quantize_int8", "weight_copy", "wrapped_for_drafts"]
+           "quantize_int8", "weight_copy", "cached_draft_weights", "own_forward"]
 
 #: Weights per int8 scale along the input dimension (a multiple of 16, the kernel's vector).
 INT8_GROUP_SIZE = 64
@@ -56,8 +57,8 @@ INT8_GROUP_SIZE = 64
 #: The :class:`DraftWeights` whose copies the wrapped linears use on this thread (None: the originals).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_active", default=None)
 _INSTALL_LOCK = threading.Lock()
-#: id(module) -> (number of installed() users, the module's own ``forward`` entry before wrapping)
-_INSTALLED: Dict[int, Tuple[int, object]] = {}
+#: class -> (number of installed() users, the class's own ``forward`` before wrapping)
+_INSTALLED: Dict[type, Tuple[int, object]] = {}
 _CPU_KERNEL = _ops.has_compiled_kernel("weight_only_linear", "cpu")
 
 
@@ -192,11 +193,8 @@ class DraftWeights:
     """
 
     def __init__(self, model: nn.Module, kind: str):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        check_draft_weights(kind)
-        if kind is None:
-            raise ValueError("draft_weights: a DraftWeights needs 'fp16' or 'int8', got None")
+        if kind not in ("fp16", "int8"):  # checked by the caller's options (draft_weights_for, generate)
+            raise ValueError(f"draft_weights: a DraftWeights needs 'fp16' or 'int8', got {kind!r}")
         self.kind = kind
         self._model_ref = weakref.ref(model)  # weak: this object is cached beside the model (model_state)
         self._copies: Dict[int, _Copy] = {}
@@ -208,7 +206,8 @@ class DraftWeights:
     def linears(self):
         """The modules whose forwards take the copy: every ``nn.Linear`` and ``PackedLinear``
         with a 2-D floating-point weight (each module once), except those whose weight is on the
-        meta device (offloaded by accelerate, whose hooks load it in the module's own forward)."""
+        meta device (offloaded by accelerate, whose hooks load it in the module's own forward) and
+        16-bit CUDA weights (a CUDA copy is float16: no smaller)."""
         from .packed_linear import PackedLinear
 
         seen = set()
@@ -216,7 +215,8 @@ class DraftWeights:
         for m in (() if model is None else model.modules()):
             if (isinstance(m, (nn.Linear, PackedLinear)) and id(m) not in seen
                     and isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2
-                    and m.weight.is_floating_point() and not m.weight.is_meta):
+                    and m.weight.is_floating_point() and not m.weight.is_meta
+                    and not (m.weight.is_cuda and m.weight.element_size() <= 2)):
                 seen.add(id(m))
                 yield m
 
@@ -292,12 +292,12 @@ class DraftWeights:
                 c = self._copies[id(mod)] = _Copy(mod, self.kind)
         return c
 
-    def linear(self, mod: nn.Module, x: Tensor, original) -> Tensor:
-        """``mod(x)`` on the low-precision copy of ``mod``'s weight (``original(x)`` for a module
-        without one)."""
+    def linear(self, mod: nn.Module, x: Tensor, own_forward) -> Tensor:
+        """``mod(x)`` on the low-precision copy of ``mod``'s weight (``own_forward(mod, x)``, the
+        class's own, for a module without one: another model's, or one left out)."""
         c = self.copy_of(mod)  # remade if edited or replaced since
         if c is None:
-            return original(x)
+            return own_forward(mod, x)
         if c.weight.device.type == "cuda":
             return F.linear(x.to(torch.float16), c.weight, c.bias).to(x.dtype)
         xf = x if x.dtype == torch.float32 else x.float()
@@ -309,30 +309,29 @@ class DraftWeights:
     # ------------------------------------------------------------------ switching
     @contextlib.contextmanager
     def installed(self):
-        """Wrap each linear's ``forward`` for the duration (nesting and threads share one wrapper
-        per module, removed when the last user leaves); the wrapper calls the original forward
-        unless :meth:`active` is entered on the calling thread. The count of users and the saved
-        ``forward`` are kept here (``_INSTALLED``), not on the modules."""
-        mods = list(self.linears())
+        """For the duration, the classes of the linears (those that define their ``forward``)
+        call :meth:`linear` instead inside :meth:`active` on the calling thread, and their own
+        ``forward`` everywhere else. A class attribute, not an instance one: a model pickled,
+        saved or copied meanwhile (by another thread) carries nothing of this. Nesting and
+        threads share one wrapper per class, removed when the last user leaves."""
+        classes = {_forward_owner(type(m)) for m in self.linears()}
         with _INSTALL_LOCK:
-            for m in mods:
-                users, saved = _INSTALLED.get(id(m), (0, None))
+            for c in classes:
+                users, own = _INSTALLED.get(c, (0, None))
                 if users == 0:
-                    saved = m.__dict__.get("forward")
-                    m.__dict__["forward"] = _wrapped_forward(m, m.forward)
-                _INSTALLED[id(m)] = (users + 1, saved)
+                    own = c.__dict__["forward"]
+                    c.forward = _wrapped_forward(own)
+                _INSTALLED[c] = (users + 1, own)
         try:
             yield self
         finally:
             with _INSTALL_LOCK:
-                for m in mods:
-                    users, saved = _INSTALLED.pop(id(m), (1, None))
+                for c in classes:
+                    users, own = _INSTALLED.pop(c)
                     if users > 1:
-                        _INSTALLED[id(m)] = (users - 1, saved)
-                    elif saved is None:
-                        m.__dict__.pop("forward", None)
+                        _INSTALLED[c] = (users - 1, own)
                     else:
-                        m.__dict__["forward"] = saved
+                        c.forward = own
 
     @contextlib.contextmanager
     def active(self):
@@ -344,24 +343,26 @@ class DraftWeights:
             _ACTIVE.reset(token)
 
 
-def _wrapped_forward(mod: nn.Module, original):
-    ref = weakref.ref(mod)  # the wrapper lives in mod.__dict__: no cycle through its closure
+def _forward_owner(cls: type) -> type:
+    """The class in ``cls``'s MRO that defines ``forward``."""
+    return next(k for k in cls.__mro__ if "forward" in k.__dict__)
 
-    def forward(x, *args, **kwargs):
+
+def _wrapped_forward(own):
+    def forward(self, x, *args, **kwargs):
         dw = _ACTIVE.get()
-        m = ref()
-        if dw is None or args or kwargs or m is None:
-            return original(x, *args, **kwargs)
-        return dw.linear(m, x, original)
+        if dw is None or args or kwargs:
+            return own(self, x, *args, **kwargs)
+        return dw.linear(self, x, own)
 
-    forward.vegas_draft_weights_wrapper = True
     return forward
 
 
-def wrapped_for_drafts(mod: nn.Module) -> bool:
-    """Whether ``mod.forward`` is the wrapper :meth:`DraftWeights.installed` put there (it calls
-    the module's own forward outside :meth:`DraftWeights.active`)."""
-    return getattr(mod.__dict__.get("forward"), "vegas_draft_weights_wrapper", False)
+def own_forward(cls: type):
+    """``cls.forward`` as the class defines it, not the wrapper :meth:`DraftWeights.installed` may
+    have put in its place."""
+    entry = _INSTALLED.get(_forward_owner(cls))
+    return cls.forward if entry is None else entry[1]
 
 
 def draft_weights_for(model: nn.Module, draft_weights) -> Optional[DraftWeights]:
@@ -371,14 +372,20 @@ def draft_weights_for(model: nn.Module, draft_weights) -> Optional[DraftWeights]
     :mod:`vegas_ext.model_state` (weakly keyed: nothing on the model; ``vegas_ext.release(model)``
     drops it). ``ValueError`` names ``draft_weights`` for a value outside :data:`DRAFT_WEIGHTS` or
     ``"int4"``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     check_draft_weights(draft_weights)
-    if draft_weights is None:
-        return None
+    return None if draft_weights is None else cached_draft_weights(model, draft_weights)
+
+
+def cached_draft_weights(model: nn.Module, kind: str) -> DraftWeights:
+    """:func:`draft_weights_for` without checking ``kind`` (``"fp16"`` / ``"int8"``, validated
+    with the call's options): the cached copies, made or refreshed."""
     cached = model_state.get(model, "draft_weights")
-    if cached is not None and cached.kind == draft_weights:
+    if cached is not None and cached.kind == kind:
         cached.refresh()
         return cached
     model_state.pop(model, "draft_weights")  # free the old kind before converting
-    dw = DraftWeights(model, draft_weights)
+    dw = DraftWeights(model, kind)
     model_state.put(model, "draft_weights", dw)
     return dw

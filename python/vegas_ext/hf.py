@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import decode
+from . import config, decode
 
 __all__ = ["generate", "VegasGenerateOutput"]
 
@@ -182,20 +182,8 @@ def generate(
     synced_gpus: bool = False,
     streamer=None,
     *,
-    num_speculative_tokens=None,
-    max_speculative_tokens: Optional[int] = None,
-    sparse_attn_algorithm: Optional[str] = None,
-    sparse_attn_ratio: Optional[float] = None,
-    sparse_attn_min_tokens: Optional[int] = None,
-    sparse_attn_max_tokens: Optional[int] = None,
-    block_size: Optional[int] = None,
-    num_sink_blocks: Optional[int] = None,
-    share_selection_across_heads: Optional[bool] = None,
-    query_weights: Optional[str] = None,
-    selection_refresh_interval: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     prefill_cache: Optional[dict] = None,
-    draft_weights: Optional[str] = None,
     vegas_options: Optional[dict] = None,
     stop_strings=None,
     tokenizer=None,
@@ -230,12 +218,14 @@ def generate(
             streamer: as HF's ``generate`` passes them to a decoding loop (``input_ids`` ``[B, T]``
             int64, left padded; the streamer is read from the calling ``generate`` when HF does
             not pass it, batch size 1).
-        num_speculative_tokens, max_speculative_tokens, sparse_attn_algorithm, sparse_attn_ratio,
-            sparse_attn_min_tokens, sparse_attn_max_tokens, block_size, num_sink_blocks,
-            share_selection_across_heads, query_weights, selection_refresh_interval, generator,
-            prefill_cache, draft_weights: the options of :func:`vegas_ext.generate`, given to ``model.generate``
-            as extra keyword arguments; ``None`` = :func:`vegas_ext.generate`'s default.
-        vegas_options: any other keyword arguments of :func:`vegas_ext.generate`, as a dict.
+        generator, prefill_cache: as for :func:`vegas_ext.generate`.
+        the Vegas options (``config.door_options("hf")``: ``num_speculative_tokens``,
+            ``gamma_policy``, ``draft_weights``, ``sparse_attn_algorithm``, ``sparse_attn_ratio``,
+            ...): given to ``model.generate`` as extra keyword arguments (this function's signature
+            lists them, from the one table :data:`vegas_ext.config.OPTIONS`, so that HF passes them
+            on); left out = the table's default. Validated once into a
+            :class:`~vegas_ext.config.VegasConfig`.
+        vegas_options: the same options as a dict.
         stop_strings, tokenizer: HF's stop strings (``str`` or list), checked as plain decoding
             checks them (``StopStringCriteria``), with the ``tokenizer`` given to
             ``model.generate`` (or a pipeline's, for its ``stop_sequence``) as HF documents it.
@@ -268,6 +258,9 @@ def generate(
         (unsupported model, out-of-range options).
     """
 
+    opts = {k: model_kwargs.pop(k) for k in _HF_OPTIONS if k in model_kwargs}
+    # None where None is no value of the option means its default, as for HF's own arguments
+    opts = {k: v for k, v in opts.items() if v is not None or config.OPTIONS[k].none_ok or k == "draft_weights"}
     gc = model.generation_config if generation_config is None else generation_config
     hf_call = _hf_generate_call()
     forwarded = streamer is None and hf_call.get("streamer") is not None  # HF already sent it the prompt
@@ -281,26 +274,19 @@ def generate(
     if hf_call.get("kwargs_has_attention_mask") is False:
         _check_inferred_mask(model_kwargs.get("attention_mask"), pad)
     criteria = _stopping_criteria(stopping_criteria, int(gc.max_length), eos, stop_strings, tokenizer, B)
-    opts = dict(
-        num_speculative_tokens=num_speculative_tokens, max_speculative_tokens=max_speculative_tokens,
-        sparse_attn_algorithm=sparse_attn_algorithm, sparse_attn_ratio=sparse_attn_ratio,
-        sparse_attn_min_tokens=sparse_attn_min_tokens, sparse_attn_max_tokens=sparse_attn_max_tokens,
-        block_size=block_size, num_sink_blocks=num_sink_blocks,
-        share_selection_across_heads=share_selection_across_heads, query_weights=query_weights,
-        selection_refresh_interval=selection_refresh_interval, generator=generator, prefill_cache=prefill_cache,
-        draft_weights=draft_weights,
-    )
-    opts = {k: v for k, v in opts.items() if v is not None}
-    procs = _loop_processors(logits_processor, gc, opts)
     for k, v in (vegas_options or {}).items():
         if k in _RESERVED_VEGAS_OPTIONS:
             _refuse(f"vegas_options[{k!r}]", "set it through model.generate's own arguments")
+        if k in opts:
+            _refuse(f"vegas_options[{k!r}]", f"{k} is also given as an argument of model.generate")
         opts[k] = v
+    procs = _loop_processors(logits_processor, gc, opts)
+    opts.update(max_new_tokens=max(0, int(gc.max_length) - T), do_sample=bool(gc.do_sample))
+    cfg = config.VegasConfig.build(opts, door="hf", algorithms=decode.SELECTION_ALGORITHMS)
     out = decode.generate(
-        model, input_ids, model_kwargs.get("attention_mask"),
-        max_new_tokens=max(0, int(gc.max_length) - T), do_sample=bool(gc.do_sample), eos_token_id=eos,
-        pad_token_id=pad, streamer=_AfterPrompt(streamer) if forwarded else streamer,
-        logits_processor=procs, stopping_criteria=criteria, hf_semantics=True, **opts,
+        model, input_ids, model_kwargs.get("attention_mask"), vegas_config=cfg, eos_token_id=eos,
+        pad_token_id=pad, streamer=_AfterPrompt(streamer) if forwarded else streamer, generator=generator,
+        prefill_cache=prefill_cache, logits_processor=procs, stopping_criteria=criteria, hf_semantics=True,
     )
     if gc.return_dict_in_generate:
         return VegasGenerateOutput(sequences=out.sequences, stats=out.stats)
@@ -362,6 +348,24 @@ def _loop_processors(logits_processor, gc, opts: dict):
     opts.update(temperature=warp[0], top_k=warp[1], top_p=warp[2])
     return None
 
+
+#: The Vegas options ``model.generate`` passes on (listed in :func:`generate`'s signature, below)
+_HF_OPTIONS = config.door_options("hf")
+
+
+def _signature_with_options(fn):
+    """``fn``'s signature plus the :data:`_HF_OPTIONS` as keyword-only parameters (default ``None``:
+    the table's): transformers passes a callable ``custom_generate`` exactly the extra keyword
+    arguments its signature names."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    var_kw = params.pop()  # **model_kwargs
+    opts = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in _HF_OPTIONS]
+    fn.__signature__ = sig.replace(parameters=params + opts + [var_kw])
+    return fn
+
+
+_signature_with_options(generate)
 
 #: arguments of vegas_ext.generate that model.generate's own options set
 _RESERVED_VEGAS_OPTIONS = frozenset({

@@ -11,7 +11,9 @@ the same function, judged by :func:`fingerprint`. Every other call recomputes an
 What the fingerprint sees and what it cannot:
 
 * Weights and buffers by storage, in-place version counter, dtype, device and shape: a reload,
-  ``.to()``, ``load_state_dict`` or an in-place write through the tensor changes it.
+  ``.to()``, ``load_state_dict`` or an in-place write through the tensor changes it. The dict
+  holds the storages it keyed (so a storage freed by ``module.to(...)`` cannot pass its address on
+  to the next one); passing a new dict lets them go.
 * An *inference tensor* (made under ``torch.inference_mode()``, as servers load weights) has no
   version counter, so an in-place edit of it cannot be seen: such a model never reuses a prefill
   (``"not fingerprintable: model.<name> is an inference tensor ..."``). Nor does a tensor with no
@@ -55,8 +57,10 @@ _MODULE_INTERNALS = frozenset((
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _tensor(t: Tensor, where: str) -> tuple:
-    """:func:`~vegas_ext.packed_linear.tensor_key` of ``t`` where its in-place changes can be seen."""
+def _tensor(t: Tensor, where: str, keep: Optional[list] = None) -> tuple:
+    """:func:`~vegas_ext.packed_linear.tensor_key` of ``t`` where its in-place changes can be seen;
+    ``keep`` collects ``t``'s storage: a key names a storage by its address, which a freed
+    storage would hand on to the next one (``module.to(fp8).to(fp32)`` did, in one allocation)."""
     if t.is_inference():
         raise NotFingerprintable(
             f"{where} is an inference tensor (made under torch.inference_mode()), whose in-place changes "
@@ -64,10 +68,12 @@ def _tensor(t: Tensor, where: str) -> tuple:
     key = tensor_key(t)
     if key[0] != "tensor":
         raise NotFingerprintable(f"{where} is a tensor without a storage whose changes can be seen ({t.layout})")
+    if keep is not None:
+        keep.append(t.untyped_storage())
     return key
 
 
-def _plain(v, where: str, depth: int = 0):
+def _plain(v, where: str, depth: int = 0, keep: Optional[list] = None):
     """A hashable snapshot of ``v`` if it is plain data (scalars, dtypes, enums and flags, classes,
     tensors by storage and version, and tuples / lists / sets / dicts of them; other objects inside
     such a container by type and identity, e.g. transformers 5.25's ``_kernel_funcs`` slots of hub
@@ -80,15 +86,15 @@ def _plain(v, where: str, depth: int = 0):
     if isinstance(v, type):
         return ("class", v.__module__, v.__qualname__, id(v))
     if isinstance(v, Tensor):
-        return _tensor(v, where)
+        return _tensor(v, where, keep)
     if depth < 4:
         if isinstance(v, (tuple, list)):
-            return (type(v).__name__,) + tuple(_plain(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+            return (type(v).__name__,) + tuple(_plain(x, f"{where}[{i}]", depth + 1, keep) for i, x in enumerate(v))
         if isinstance(v, (set, frozenset)):
-            return ("set",) + tuple(sorted((_plain(x, where, depth + 1) for x in v), key=repr))
+            return ("set",) + tuple(sorted((_plain(x, where, depth + 1, keep) for x in v), key=repr))
         if isinstance(v, dict):
-            return ("dict",) + tuple(sorted(((repr(k), _plain(x, f"{where}[{k!r}]", depth + 1)) for k, x in v.items()),
-                                            key=repr))
+            items = ((repr(k), _plain(x, f"{where}[{k!r}]", depth + 1, keep)) for k, x in v.items())
+            return ("dict",) + tuple(sorted(items, key=repr))
     if depth > 0:  # replaced -> another identity; what it does inside is the caller's contract
         return ("object", type(v).__module__, type(v).__qualname__, id(v))
     raise NotFingerprintable(f"{where} is a {type(v).__name__}")
@@ -102,13 +108,7 @@ def _config_snapshot(config, where: str):
     return _plain(d, where)
 
 
-def _is_draft_wrapper(mod, k: str) -> bool:
-    from .draft_weights import wrapped_for_drafts  # the wrapper calls the original outside drafts
-
-    return k == "forward" and wrapped_for_drafts(mod)
-
-
-def fingerprint(model) -> dict:
+def fingerprint(model, keep: Optional[list] = None) -> dict:
     """What determines the prefill K/V ``model`` computes, in parts (cheap: no tensor data read):
 
     * ``"weights"``: every parameter's and buffer's storage, in-place version counter, dtype,
@@ -121,7 +121,9 @@ def fingerprint(model) -> dict:
     Raises :class:`NotFingerprintable` naming what it cannot capture: a forward hook or pre-hook
     (module or global: a hook can read any state, e.g. a global steering vector), an inference
     tensor or a tensor without a describable storage (in-place changes unseen), or a module
-    attribute that is not plain data (an assigned ``forward``, a callable, an object)."""
+    attribute that is not plain data (an assigned ``forward``, a callable, an object). ``keep``
+    (a list) receives every storage keyed, so that whoever holds the fingerprint holds them too:
+    while it does, no other storage can take one's address."""
     g = torch.nn.modules.module
     for kind in ("_global_forward_hooks", "_global_forward_pre_hooks"):
         if getattr(g, kind, None):
@@ -133,17 +135,17 @@ def fingerprint(model) -> dict:
             raise NotFingerprintable(f"a forward hook on {where}")
         for tname, t in itertools.chain(mod._parameters.items(), mod._buffers.items()):
             if t is not None:
-                weights.append(_tensor(t, f"{where}.{tname}"))
+                weights.append(_tensor(t, f"{where}.{tname}", keep))
         attrs = []
         caches = getattr(type(mod), "function_independent_attrs", ())  # e.g. PackedLinear's pack
         for k, v in vars(mod).items():
-            if k in _MODULE_INTERNALS or k in caches or _is_draft_wrapper(mod, k):
+            if k in _MODULE_INTERNALS or k in caches:
                 continue
             if k == "generation_config" or k == "config":  # decoding options / snapshot below
                 if k == "config" and id(v) not in configs:
                     configs[id(v)] = _config_snapshot(v, f"{where}.config")
                 continue
-            attrs.append((k, _plain(v, f"{where}.{k}")))
+            attrs.append((k, _plain(v, f"{where}.{k}", keep=keep)))
         modules.append((name, type(mod), tuple(attrs)))
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     dev = first.device.type if first is not None else "cpu"
@@ -207,13 +209,15 @@ def store(pc: dict, model, cache, ids: Tensor) -> Optional[str]:
     """Keep the prefill K/V of ``ids`` ``[B, t]`` (the first ``t`` positions of ``cache``'s layers)
     in ``pc`` for later calls of ``model``. Returns ``None``, or why nothing was stored
     (``"not fingerprintable: <what>"``)."""
+    keep: list = []
     try:
-        fp = fingerprint(model)
+        fp = fingerprint(model, keep)
     except NotFingerprintable as e:
         return f"not fingerprintable: {e}"
     t = ids.shape[1]
     pc["model"] = weakref.ref(model)
     pc["fingerprint"] = fp
+    pc["storages"] = keep  # the keyed storages stay alive, so their addresses stay theirs
     pc["ids"] = ids.clone()
     pc["k"] = [cl.keys[:, :, :t].clone() for cl in cache.layers]
     pc["v"] = [cl.values[:, :, :t].clone() for cl in cache.layers]

@@ -21,8 +21,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["GammaPolicy", "FixedGamma", "AutoGamma", "AcceptanceEstimate", "StepCostModel", "IterationCosts",
-           "PerRequestGamma"]
+__all__ = ["make_gamma_policy", "GammaPolicy", "FixedGamma", "AutoGamma", "AcceptanceEstimate", "StepCostModel",
+           "IterationCosts", "PerRequestGamma"]
 
 
 @dataclass
@@ -268,7 +268,7 @@ class AutoGamma(GammaPolicy):
                  climb: bool = False):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
-            raise ValueError(f"max_speculative_tokens must be >= 1 with num_speculative_tokens='auto', got {max_gamma}")
+            raise ValueError(f"num_speculative_tokens (the cap) must be >= 1 with gamma_policy='auto', got {max_gamma}")
         self.acc = AcceptanceEstimate(self.max_gamma, prior_acceptance, prior_weight, acceptance_decay)
         self.costs = StepCostModel(window, cost_ema)
         self.first_gamma = max(1, min(int(first_gamma), self.max_gamma))
@@ -543,3 +543,18 @@ def _median(xs: List[float], empty=None):
     ys = sorted(xs)
     n = len(ys)
     return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def make_gamma_policy(num_speculative_tokens: int, gamma_policy: str, *, per_request: bool = False):
+    """The γ policy of both engines, from the options' γ cap and ``gamma_policy`` (validated by
+    :class:`vegas_ext.config.VegasConfig` / the vLLM plugin's options).
+
+    Our loop (``per_request=False``): :class:`FixedGamma` ``(0)`` for a cap of 0,
+    :class:`AutoGamma` ``(cap)`` for ``"auto"``, else :class:`FixedGamma` ``(cap)``. The vLLM
+    plugin (``per_request=True``): :class:`PerRequestGamma` ``(cap)`` for ``"auto"``, else ``None``
+    (every request drafts the cap)."""
+    if per_request:
+        return PerRequestGamma(num_speculative_tokens) if gamma_policy == "auto" else None
+    if num_speculative_tokens == 0 or gamma_policy != "auto":
+        return FixedGamma(num_speculative_tokens)
+    return AutoGamma(num_speculative_tokens)

@@ -19,7 +19,7 @@ from ..config import (
     MAX_BATCH_SIZE,
     OPTIONS,
     REFUSED_DRAFT_WEIGHTS,
-    check_generate_options,
+    VegasConfig,
     check_int,
     check_model_path,
     check_seed,
@@ -124,50 +124,52 @@ def _prompt_flags(pr) -> None:
                     help="number of rows: the prompt(s) repeated cyclically (default: one row per prompt)")
 
 
+#: The decoding flags, from :data:`vegas_ext.config.OPTIONS` (flag, type, default, help), by group.
+_SPECULATION = ("max_new_tokens", "num_speculative_tokens", "gamma_policy", "sparse_attn_algorithm", "draft_weights")
+_SELECTION = ("sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size",
+              "num_sink_blocks", "share_selection_across_heads", "query_weights", "selection_refresh_interval")
+_SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def _flag_value(v: Any) -> str:
+    return "none" if v is None else str(v)
+
+
+def _option_flag(d, name: str) -> None:
+    """The flag of option ``name`` as the table defines it (``OPTIONS[name].cli``)."""
+    opt = OPTIONS[name]
+    default = opt.default_at("cli")
+    kw: Dict[str, Any] = dict(dest=opt.cli[2:].replace("-", "_"), default=default)
+    if opt.kind == "bool":
+        kw["action"] = "store_true"
+        shown = ""
+    else:
+        shown = f" (default {_flag_value(default)})"
+        if opt.kind == "int":
+            kw["type"] = _int(opt.cli)
+        elif opt.kind == "float":
+            kw["type"] = float
+        elif opt.kind == "choice" and name == "draft_weights":
+            kw.update(type=_draft_weights, choices=DRAFT_WEIGHT_FLAGS)
+        elif opt.kind == "choice" and name != "sparse_attn_algorithm":  # algorithms: checked with the config
+            kw["choices"] = tuple(_flag_value(c) for c in opt.choices)
+    names = [opt.cli] + (["--gamma"] if name == "num_speculative_tokens" else [])
+    d.add_argument(*names, help=opt.doc + shown, **kw)
+
+
 def _speculation_flags(d) -> None:
-    d.add_argument("--max-new-tokens", type=_int("--max-new-tokens"), default=128,
-                   help="new tokens per row (default 128)")
-    d.add_argument("--num-speculative-tokens", "--gamma", dest="num_speculative_tokens", default="auto",
-                   help="draft tokens per iteration, gamma: an integer >= 1, or auto (default): chosen before "
-                        "every iteration from the measured acceptance and step costs, 0 (plain step) .. "
-                        "--max-speculative-tokens")
-    d.add_argument("--max-speculative-tokens", type=_int("--max-speculative-tokens"), default=8,
-                   help="largest gamma of --num-speculative-tokens auto (default 8)")
-    d.add_argument("--algorithm", default="vegas",
-                   help="sparse_attn_algorithm: vegas (default), streamingllm, quest, or full "
-                        "(plain decoding through our cache and kernels)")
+    for name in _SPECULATION:
+        _option_flag(d, name)
 
 
 def _selection_flags(d) -> None:
-    d.add_argument("--ratio", type=float, default=0.05,
-                   help="KV budget as a fraction of the context, in (0, 1] (default 0.05)")
-    d.add_argument("--min-tokens", type=_int("--min-tokens"), default=256,
-                   help="lower clamp of the KV budget in tokens (default 256)")
-    d.add_argument("--max-tokens", type=_int("--max-tokens"), default=None,
-                   help="upper clamp of the KV budget in tokens (default: none)")
-    d.add_argument("--block-size", type=_int("--block-size"), default=None,
-                   help="KV selection granularity in tokens (default: the algorithm's, 1 for vegas, 16 for "
-                        "streamingllm and quest)")
-    d.add_argument("--sink-blocks", type=_int("--sink-blocks"), default=1,
-                   help="leading blocks always kept in the draft's KV set (default 1)")
-    d.add_argument("--share-selection", action="store_true",
-                   help="one block selection per layer shared by all KV heads (the authors' choice)")
-    d.add_argument("--query-weights", choices=("all", "first_last"), default="all",
-                   help="vegas: verification queries that score blocks: all (default) or first_last (the authors')")
-    d.add_argument("--refresh-interval", type=_int("--refresh-interval"), default=1,
-                   help="vegas: re-select the draft blocks only every N iterations (SparseSpec; default 1)")
-    d.add_argument("--draft-weights", type=_draft_weights, choices=DRAFT_WEIGHT_FLAGS, default="int8",
-                   help="weights of the draft forwards' linears: int8 (default: weight-only, groups of 64), "
-                        "fp16, or none (the model's own): a low-precision copy made once; verification keeps "
-                        "the model's weights, so the output is unchanged. int8 drafted fastest: "
-                        "docs/draft_weights.md")
+    for name in _SELECTION:
+        _option_flag(d, name)
 
 
 def _sampling_flags(d) -> None:
-    d.add_argument("--do-sample", action="store_true", help="sample (speculative sampling) instead of greedy decoding")
-    d.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    d.add_argument("--top-k", type=_int("--top-k"), default=0, help="top-k filter, 0 = off (default)")
-    d.add_argument("--top-p", type=float, default=1.0, help="nucleus filter in (0, 1] (default 1.0 = off)")
+    for name in _SAMPLING:
+        _option_flag(d, name)
     d.add_argument("--seed", type=_int("--seed"), default=None, help="random seed (sampling)")
     d.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS; always generate --max-new-tokens")
 
@@ -187,43 +189,52 @@ def _output_flags(o) -> None:
 
 def _validate(args) -> argparse.Namespace:
     """Checks the parsed flags with no torch (so a bad flag fails in well under a second) and
-    returns a checked copy of ``args``: ``num_speculative_tokens`` an int or ``"auto"``,
-    ``block_size`` the algorithm's default where not given. ``args`` itself is left unchanged.
-    Raises :class:`CLIError` naming the flag and what it expects."""
-    gamma = args.num_speculative_tokens
-    if gamma != "auto":
-        if _parse_int(gamma) is None:
-            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {gamma!r}")
-        gamma = _parse_int(gamma)
+    returns a checked copy of ``args`` with ``vegas_config``, the one options value
+    (:class:`~vegas_ext.config.VegasConfig`, built from the flags as every door builds it),
+    ``num_speculative_tokens`` (the int cap), ``gamma_policy`` and ``block_size`` (the
+    algorithm's default where not given) filled in. ``args`` itself is left unchanged. Raises
+    :class:`CLIError` naming the flag and what it expects."""
     try:
-        _check_decode_options(args, gamma)
+        cfg = _vegas_config(args)
     except ValueError as e:
         raise CLIError(str(e)) from None
     _check_cli_flags(args)
-    block_size = DEFAULT_BLOCK_SIZE[args.algorithm] if args.block_size is None else args.block_size
-    return argparse.Namespace(**{**vars(args), "num_speculative_tokens": gamma, "block_size": block_size})
+    block_size = DEFAULT_BLOCK_SIZE[cfg.sparse_attn_algorithm] if cfg.block_size is None else cfg.block_size
+    return argparse.Namespace(**{**vars(args), "vegas_config": cfg, "gamma_policy": cfg.gamma_policy,
+                                 "num_speculative_tokens": cfg.num_speculative_tokens, "block_size": block_size})
 
 
 def decode_options(args) -> Dict[str, Any]:
     """The flag table: every :func:`vegas_ext.generate` option that has a flag
-    (``config.OPTIONS[name].cli``), mapped from its API name to the flag's parsed value."""
-    return {name: getattr(args, opt.cli[2:].replace("-", "_")) for name, opt in OPTIONS.items() if opt.cli}
+    (``config.OPTIONS[name].cli``), mapped from its API name to the flag's parsed value
+    (``--draft-weights none``: ``None``; ``--num-speculative-tokens``: an int or ``"auto"``)."""
+    out = {name: getattr(args, opt.cli[2:].replace("-", "_")) for name, opt in OPTIONS.items() if opt.cli}
+    if out.get("draft_weights") == "none":
+        out["draft_weights"] = None
+    gamma = out.get("num_speculative_tokens")
+    if isinstance(gamma, str) and gamma != "auto":
+        if _parse_int(gamma) is None:
+            raise CLIError(f"--num-speculative-tokens must be an integer >= 1 or auto, got {gamma!r}")
+        out["num_speculative_tokens"] = _parse_int(gamma)
+    return out
 
 
-def _check_decode_options(args, gamma) -> None:
-    """The decode options through :mod:`vegas_ext.config`, as :func:`vegas_ext.generate` checks
-    them, named by their flags; raises ``ValueError``."""
-    values = {**decode_options(args), "num_speculative_tokens": gamma}
+def _vegas_config(args) -> VegasConfig:
+    """The decode options through :class:`~vegas_ext.config.VegasConfig`, named by their flags,
+    plus what only the CLI asks (γ >= 1: plain decoding is ``--algorithm full``; at least one new
+    token); raises ``ValueError``."""
+    values = decode_options(args)
     labels = {name: opt.cli for name, opt in OPTIONS.items() if opt.cli}
-    if gamma != "auto":  # >= 1: the CLI's plain decoding is --algorithm full
+    gamma = values["num_speculative_tokens"]
+    if gamma != "auto":
         check_int(gamma, "--num-speculative-tokens", 1, INT64_MAX, what="or auto")
-    check_generate_options(values, labels)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_int(values["max_new_tokens"], "--max-new-tokens", 1, INT64_MAX)
+    cfg = VegasConfig.build(values, door="cli", labels=labels)
     if args.batch_size is not None:
         check_int(args.batch_size, "--batch-size", 1, MAX_BATCH_SIZE)
     if args.seed is not None:
         check_seed(args.seed, "--seed")
+    return cfg
 
 
 def check_model_flag(args) -> None:

@@ -311,5 +311,5 @@ def compare_with_plain(model, batch: "Batch", run: "Run", kwargs: Dict[str, Any]
         plain_tokens_per_s=plain_tps,
         speedup_vs_plain=(ours_tps / plain_tps) if plain_tps and ours_tps else None,
         decode_speedup_vs_plain=_decode_speedup(run.n_tokens, _our_decode_s(run), n_plain, plain_dec, batch.size),
-        plain_identical=(run.tokens == plain) if not kwargs.get("do_sample") else None,
+        plain_identical=(run.tokens == plain) if not kwargs["vegas_config"].do_sample else None,
     )

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-from .arguments import CLIError, decode_options
+from .arguments import CLIError
 from .common import _eprint, _sync
 from .inputs import Batch, new_tokens
 from .progress import RunProgress
@@ -32,14 +32,14 @@ class Run:
 
 
 def generate_kwargs(args, batch: Batch, generator) -> Dict[str, Any]:
-    """The keyword arguments of :func:`vegas_ext.generate` for the checked ``args``."""
+    """The keyword arguments of :func:`vegas_ext.generate` for the checked ``args``: the flags'
+    :class:`~vegas_ext.config.VegasConfig` (built once, in ``_validate``) and the batch's own."""
     return {
-        **decode_options(args),
+        "vegas_config": args.vegas_config,
         "max_new_tokens": batch.max_new,  # lowered to fit the model's positions
         "eos_token_id": batch.eos,  # [] = never stop at EOS
         "pad_token_id": batch.pad_id,
         "generator": generator,
-        "draft_weights": None if args.draft_weights == "none" else args.draft_weights,
     }
 
 
@@ -52,11 +52,10 @@ def make_generator(args, device):
         return None
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    if args.do_sample and args.num_speculative_tokens == "auto" and args.algorithm != "full":
-        _eprint("vegas: note: --seed with sampling and --num-speculative-tokens auto samples the same "
+    if args.do_sample and args.gamma_policy == "auto" and args.algorithm != "full":
+        _eprint("vegas: note: --seed with sampling and --gamma-policy auto samples the same "
                 "distribution on every run, but the drafts per iteration follow this run's timings, so "
-                "the tokens can differ between runs; give a fixed --num-speculative-tokens for "
-                "identical output")
+                "the tokens can differ between runs; give --gamma-policy fixed for identical output")
     return generator
 
 

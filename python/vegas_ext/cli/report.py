@@ -22,7 +22,12 @@ def prompt_line(args, batch: Batch) -> str:
     return (f"vegas: prompt: {B} row{'s' if B > 1 else ''} of {', '.join(f'{len(r):,}' for r in rows[:8])}"
             f"{' ...' if B > 8 else ''} "
             f"tokens{' (chat template)' if args.chat else ''}; up to {batch.max_new} new tokens per row with "
-            f"{args.algorithm}, gamma {args.num_speculative_tokens}, ratio {args.ratio}, block {args.block_size}")
+            f"{args.algorithm}, gamma {_gamma(args)}, ratio {args.ratio}, block {args.block_size}")
+
+
+def _gamma(args) -> str:
+    """``auto <= 8`` or ``4`` (fixed): γ as the run chooses it."""
+    return f"auto <= {args.num_speculative_tokens}" if args.gamma_policy == "auto" else str(args.num_speculative_tokens)
 
 
 def build_result(args, tok, batch: Batch, run: Run, dtype_name: str, device, packed: int) -> Dict[str, Any]:
@@ -31,6 +36,7 @@ def build_result(args, tok, batch: Batch, run: Run, dtype_name: str, device, pac
         "model": args.model or EMBEDDED_MODEL,
         "algorithm": args.algorithm,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "gamma_policy": args.gamma_policy,
         "sparse_attn_ratio": args.ratio,
         "block_size": args.block_size,
         "dtype": dtype_name,

@@ -80,6 +80,7 @@ import json
 import logging
 from typing import Any, Dict, Optional
 
+from .. import config
 from .compat import SUPPORTED_RANGE, SUPPORTED_TEXT, UnsupportedVllmError, check_installed
 from .options import (
     ADDITIONAL_CONFIG_KEY,
@@ -87,6 +88,7 @@ from .options import (
     OPTION_KEYS,
     PROPOSER_PATH,
     VegasOptions,
+    _default,
     check_num_speculative_tokens,
 )
 
@@ -95,20 +97,23 @@ __all__ = ["speculative_config", "engine_kwargs", "register", "VegasOptions", "P
 
 
 def speculative_config(
-    num_speculative_tokens: int = 6,
-    sparse_attn_algorithm: str = "vegas",
-    sparse_attn_ratio: float = 0.05,
-    sparse_attn_min_tokens: int = 256,
-    sparse_attn_max_tokens: Optional[int] = None,
-    num_sink_pages: int = 1,
-    gamma_policy: str = "auto",
-    draft_granularity: str = "page",
-    draft_weights: Optional[str] = "int8",
+    num_speculative_tokens: int = _default("num_speculative_tokens"),
+    sparse_attn_algorithm: str = _default("sparse_attn_algorithm"),
+    sparse_attn_ratio: float = _default("sparse_attn_ratio"),
+    sparse_attn_min_tokens: int = _default("sparse_attn_min_tokens"),
+    sparse_attn_max_tokens: Optional[int] = _default("sparse_attn_max_tokens"),
+    num_sink_pages: int = _default("num_sink_blocks"),
+    gamma_policy: str = _default("gamma_policy"),
+    draft_granularity: str = _default("draft_granularity"),
+    draft_weights: Optional[str] = _default("draft_weights"),
 ) -> Dict[str, Any]:
     """The ``speculative_config`` for ``LLM(...)`` / ``vllm serve --speculative-config`` (JSON).
 
+    Defaults: the option table, :data:`vegas_ext.config.OPTIONS` (its vLLM column).
+
     Args:
-        num_speculative_tokens: γ, draft tokens per step (``>= 1``).
+        num_speculative_tokens: γ's cap, draft tokens per step (``>= 1``; with ``gamma_policy="auto"``
+            each request drafts ``0..γ``).
         sparse_attn_algorithm: ``"vegas"`` or ``"streamingllm"``.
         sparse_attn_ratio: draft budget as a fraction of the context, in ``(0, 1]``.
         sparse_attn_min_tokens: the budget's lower bound in tokens.
@@ -188,16 +193,21 @@ def main(argv=None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m vegas_ext.vllm", description=main.__doc__)
-    p.add_argument("--num-speculative-tokens", type=int, default=6)
-    p.add_argument("--algorithm", dest="sparse_attn_algorithm", choices=ALGORITHMS, default="vegas")
-    p.add_argument("--ratio", dest="sparse_attn_ratio", type=float, default=0.05)
-    p.add_argument("--min-tokens", dest="sparse_attn_min_tokens", type=int, default=256)
-    p.add_argument("--max-tokens", dest="sparse_attn_max_tokens", type=int, default=None)
-    p.add_argument("--num-sink-pages", type=int, default=1)
-    p.add_argument("--gamma-policy", choices=("auto", "fixed"), default="auto")
-    p.add_argument("--draft-granularity", choices=("page", "token"), default="page")
-    p.add_argument("--draft-weights", choices=("none", "fp16", "int8"), default="int8",
-                   help="weights of the draft forwards' linears on CPU ('none': the model's own)")
+    for name, opt in config.OPTIONS.items():  # the table's vLLM column: its names, defaults, choices
+        if opt.vllm is None:
+            continue
+        own = "--" + opt.vllm.replace("_", "-")  # the plugin's key as a flag; the vegas CLI's flag too, where shared
+        flags = [own] if opt.cli is None or name == "num_sink_blocks" else list(dict.fromkeys([opt.cli, own]))
+        default = opt.default_at("vllm")
+        kw: Dict[str, Any] = {"dest": opt.vllm, "default": default, "help": f"{opt.doc} (default {default})"}
+        if opt.kind in ("int", "gamma"):
+            kw["type"] = int
+        elif opt.kind == "float":
+            kw["type"] = float
+        elif opt.kind == "choice":
+            kw["choices"] = [("none" if c is None else c) for c in (ALGORITHMS if opt.vllm == "sparse_attn_algorithm"
+                                                                    else opt.choices)]
+        p.add_argument(*flags, **kw)
     a = p.parse_args(argv)
     if a.draft_weights == "none":
         a.draft_weights = None

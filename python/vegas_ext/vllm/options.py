@@ -14,11 +14,11 @@ ADDITIONAL_CONFIG_KEY = "vegas"
 OPTION_KEYS = ("sparse_attn_algorithm", "sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens",
                "num_sink_pages", "gamma_policy", "draft_granularity", "draft_weights")
 ALGORITHMS = config.VLLM_ALGORITHMS
-#: ``gamma_policy`` values: every request drafts ``num_speculative_tokens`` / each its own number.
-GAMMA_POLICIES = ("fixed", "auto")
-#: ``draft_granularity`` values: drafts attend to selected tokens (block size 1, per KV head) or to
-#: whole selected pages (one selection per layer, through a compacted block table).
-DRAFT_GRANULARITIES = ("token", "page")
+#: ``gamma_policy`` values: each request drafts its own number (``"auto"``) / ``num_speculative_tokens``.
+GAMMA_POLICIES = config.GAMMA_POLICIES
+#: ``draft_granularity`` values: drafts attend to whole selected pages (one selection per layer,
+#: through a compacted block table) or to selected tokens (block size 1, per KV head).
+DRAFT_GRANULARITIES = config.DRAFT_GRANULARITIES
 #: ``hf_config.model_type`` values whose vLLM models the plugin drafts with (plain decoder-only
 #: attention through one KV cache group, no sliding window).
 SUPPORTED_MODEL_TYPES = config.SUPPORTED_MODEL_TYPES
@@ -26,6 +26,11 @@ _PREFIX = "vegas_ext.vllm: "
 #: The plugin's names in messages; ``num_sink_pages`` is the loop's ``num_sink_blocks`` (a page is
 #: one of vLLM's KV cache blocks).
 _LABELS = {**{k: _PREFIX + k for k in OPTION_KEYS}, "num_sink_blocks": _PREFIX + "num_sink_pages"}
+
+
+def _default(name: str) -> Any:
+    """The plugin's default of option ``name`` (:data:`vegas_ext.config.OPTIONS`, written once)."""
+    return config.OPTIONS[name].default_at("vllm")
 
 
 def is_vegas_spec(spec) -> bool:
@@ -70,14 +75,14 @@ class VegasOptions:
     window's first token instead of its page.
     """
 
-    sparse_attn_algorithm: str = "vegas"
-    sparse_attn_ratio: float = 0.05
-    sparse_attn_min_tokens: int = 256
-    sparse_attn_max_tokens: Any = None
-    num_sink_pages: int = 1
-    gamma_policy: str = "auto"
-    draft_granularity: str = "page"
-    draft_weights: Any = "int8"
+    sparse_attn_algorithm: str = _default("sparse_attn_algorithm")
+    sparse_attn_ratio: float = _default("sparse_attn_ratio")
+    sparse_attn_min_tokens: int = _default("sparse_attn_min_tokens")
+    sparse_attn_max_tokens: Any = _default("sparse_attn_max_tokens")
+    num_sink_pages: int = _default("num_sink_blocks")
+    gamma_policy: str = _default("gamma_policy")
+    draft_granularity: str = _default("draft_granularity")
+    draft_weights: Any = _default("draft_weights")
 
     def __post_init__(self):
         values = {k: getattr(self, k) for k in OPTION_KEYS

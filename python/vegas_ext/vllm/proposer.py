@@ -59,7 +59,7 @@ import torch
 
 from .. import ops
 from ..selection import streaming_indices
-from ..speculation import IterationCosts, PerRequestGamma
+from ..speculation import IterationCosts, make_gamma_policy
 from . import draft_linears
 from .backend import DraftKV, VegasState, attach_state, gather_draft_kv
 from .cpu_layout import PLAIN_KEY_ISAS
@@ -139,8 +139,8 @@ class VegasProposer:
             self.stats.update(tokens_read=0, tokens_dense=0, budget_tokens=0, tail_tokens=0)
         self._attached = False
         #: γ per request (``gamma_policy="auto"``), else ``None``: every request drafts γ
-        self.gamma_policy = (PerRequestGamma(self.num_speculative_tokens) if self.options.gamma_policy == "auto"
-                             else None)
+        self.gamma_policy = make_gamma_policy(self.num_speculative_tokens, self.options.gamma_policy,
+                                              per_request=True)
         # the previous step: request id -> drafts proposed, when it ended, and its draft/selection seconds
         self._prev_drafts: Dict[str, int] = {}
         self._prev_end = None
