@@ -53,15 +53,16 @@ __all__ = [
 
 @dataclass
 class SelectionConfig:
-    """Budget and selection options shared by the selection algorithms."""
+    """Budget and selection options shared by the selection algorithms (defaults: the option
+    table, :data:`vegas_ext.config.OPTIONS`; ``block_size`` the rivals' 16)."""
 
-    ratio: float = 0.05
-    min_tokens: int = 256
-    max_tokens: Optional[int] = None
-    block_size: int = 16
-    num_sink_blocks: int = 1
-    share_selection_across_heads: bool = False
-    refresh_interval: int = 1
+    ratio: float = config.OPTIONS["sparse_attn_ratio"].default
+    min_tokens: int = config.OPTIONS["sparse_attn_min_tokens"].default
+    max_tokens: Optional[int] = config.OPTIONS["sparse_attn_max_tokens"].default
+    block_size: int = config.DEFAULT_BLOCK_SIZE["quest"]
+    num_sink_blocks: int = config.OPTIONS["num_sink_blocks"].default
+    share_selection_across_heads: bool = config.OPTIONS["share_selection_across_heads"].default
+    refresh_interval: int = config.OPTIONS["selection_refresh_interval"].default
 
 
 @dataclass
