@@ -42,6 +42,11 @@ import torch
 
 from bench.common import add_pack_linears_flag, fmt as _f, git_commit, median as _med, pack_linears, sync
 from vegas_ext import documents, models
+from vegas_ext.config import OPTIONS as _OPTIONS  # the harness's defaults are generate's
+
+_DW_DEFAULT = str(_OPTIONS["draft_weights"].default).lower()
+_MIN_TOKENS = _OPTIONS["sparse_attn_min_tokens"].default
+_GAMMA_CAP = _OPTIONS["num_speculative_tokens"].default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -285,15 +290,16 @@ def _add_grid_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-speculative-tokens", type=_csv(int, ("auto",)), default=["auto"],
                     help="gamma values for sparse algorithms: integers and/or auto (chosen per iteration, "
                          "up to --max-speculative-tokens), e.g. auto,2,3,4,6 (default auto)")
-    ap.add_argument("--max-speculative-tokens", type=int, default=8, help="largest gamma of auto (default 8)")
+    ap.add_argument("--max-speculative-tokens", type=int, default=_GAMMA_CAP,
+                    help=f"largest gamma of auto: generate's num_speculative_tokens (default {_GAMMA_CAP})")
     ap.add_argument("--ratios", type=_csv(float), default=[0.05], help="KV budget ratios (default 0.05)")
     ap.add_argument("--block-sizes", type=_csv(int), default=[None],
                     help="block sizes (default: each algorithm's own, 1 for vegas and 16 for streamingllm / quest)")
-    ap.add_argument("--min-tokens", type=int, default=256, help="sparse_attn_min_tokens (default 256)")
-    ap.add_argument("--draft-weights", type=_csv(str), default=["none"],
+    ap.add_argument("--min-tokens", type=int, default=_MIN_TOKENS, help=f"sparse_attn_min_tokens (default {_MIN_TOKENS})")
+    ap.add_argument("--draft-weights", type=_csv(str), default=[_DW_DEFAULT],
                     help="generate(draft_weights=...) of every drafting configuration, one run each: "
-                         "none, fp16, int8 (e.g. none,fp16,int8; default none); an algorithm spec's "
-                         "dw=<kind> option (vegas/dw=int8) fixes it for that spec")
+                         f"none, fp16, int8 (e.g. none,fp16,int8; default {_DW_DEFAULT}, generate's); an algorithm "
+                         "spec's dw=<kind> option (vegas/dw=int8) fixes it for that spec")
     ap.add_argument("--share-selection", action="store_true", help="share_selection_across_heads=True")
     ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
     ap.add_argument("--refresh-interval", type=int, default=1,
