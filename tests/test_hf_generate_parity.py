@@ -277,3 +277,15 @@ def test_stop_strings_with_the_tokenizer_given_to_generate():
                      sparse_attn_min_tokens=8,
                      block_size=2, **pkw)[0]["generated_text"]
     assert got_p == want_p and want_p.endswith(stop)
+
+
+def test_negative_eos_id_is_ignored_as_plain_generate_does():
+    """Break test: HF only warns about a negative ``eos_token_id`` (no token has it) and decodes;
+    ``hf.generate`` refused it. Now the same tokens, alone or beside a real EOS id."""
+    model = make_model("llama")
+    ids, mask = make_prompts(256, [20, 14])
+    for eos in (-1, [-1, 7]):
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)
+        ref = model.generate(**kw, do_sample=False)
+        got = model.generate(**kw, **VEGAS)
+        assert torch.equal(got, ref), first_diff(got, ref)

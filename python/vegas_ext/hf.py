@@ -167,8 +167,8 @@ def _needed_criteria(stopping_criteria, max_length: int, eos: List[int]):
     for c in stopping_criteria or ():
         if isinstance(c, MaxLengthCriteria) and c.max_length >= max_length:
             continue  # ends no row before max_new_tokens does
-        if isinstance(c, EosTokenCriteria) and set(c.eos_token_id.flatten().tolist()) <= set(eos):
-            continue
+        if isinstance(c, EosTokenCriteria) and {i for i in c.eos_token_id.flatten().tolist() if i >= 0} <= set(eos):
+            continue  # negative ids: no token has one
         rest.append(c)
     return rest if len(rest) else None
 
@@ -295,10 +295,11 @@ def generate(
 
 def _eos_and_pad_ids(gc):
     """``(eos ids list, pad id or None)`` as HF's ``generate`` resolved them into ``gc`` (pad: else
-    the first EOS); a direct call reads the config's."""
+    the first EOS); a direct call reads the config's. A negative EOS id, which HF only warns about
+    (no token ever has it), is left out: the same answer."""
     eos_t = getattr(gc, "_eos_token_tensor", gc.eos_token_id)
     pad_t = getattr(gc, "_pad_token_tensor", gc.pad_token_id)
-    eos = [] if eos_t is None else [int(x) for x in torch.as_tensor(eos_t).flatten().tolist()]
+    eos = [] if eos_t is None else [int(x) for x in torch.as_tensor(eos_t).flatten().tolist() if int(x) >= 0]
     return eos, None if pad_t is None else int(pad_t)
 
 
