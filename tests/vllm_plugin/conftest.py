@@ -26,11 +26,20 @@ def tokenizer(smollm_dir):
 
 
 
-def pytest_terminal_summary(terminalreporter):
-    from vllm_utils import PROCESSES
+@pytest.fixture(scope="session", autouse=True)
+def _front_ends():
+    """The ``run_llm.py --serve`` processes live as long as the session (vllm_utils.run_llm)."""
+    yield
+    from vllm_utils import close_front_ends
 
-    if PROCESSES:
-        terminalreporter.write_line(f"vLLM processes started: {len(PROCESSES)}, "
-                                    f"{sum(s for _, s in PROCESSES):.0f} s in all")
-        for what, s in PROCESSES:
+    close_front_ends()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from vllm_utils import RUNS, STARTED
+
+    if RUNS:
+        terminalreporter.write_line(f"vLLM runs: {len(RUNS)} ({STARTED['processes']} processes started by the tests), "
+                                    f"{sum(s for _, s in RUNS):.0f} s in all")
+        for what, s in RUNS:
             terminalreporter.write_line(f"  {s:6.1f} s  {what}")

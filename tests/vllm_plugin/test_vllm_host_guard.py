@@ -13,7 +13,7 @@ import pytest
 
 from vegas_ext.vllm.compat import SUPPORTED_RANGE, TESTED
 
-from vllm_utils import ENV, HERE, record_process, tiny_llama_dir
+from vllm_utils import ENV, HERE, record_run, tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def probe(mode, model):
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, os.path.join(HERE, "guard_probe.py"), mode, model], env=env,
                        capture_output=True, text=True, timeout=600)
-    record_process(f"guard_probe {mode}", t0)
+    record_run(f"guard_probe {mode}", t0, process=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("GUARD_PROBE ")]
     assert p.returncode == 0 and lines, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(lines[-1][len("GUARD_PROBE "):])

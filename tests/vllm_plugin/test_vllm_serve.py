@@ -10,7 +10,7 @@ import urllib.request
 
 from vegas_ext.vllm import speculative_config
 
-from vllm_utils import ENV, record_process, text_prompts
+from vllm_utils import ENV, record_run, text_prompts
 
 
 def _free_port():
@@ -63,7 +63,7 @@ def _serve_and_complete(model, prompt, extra_args, plugin, timeout=600):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        record_process(f"vllm serve {'plugin' if plugin else 'stock'}", t_start)
+        record_run(f"vllm serve {'plugin' if plugin else 'stock'}", t_start, process=True)
 
 
 def test_serve_completion_identical(smollm_dir, tokenizer):

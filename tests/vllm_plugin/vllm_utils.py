@@ -1,10 +1,18 @@
 """Helpers of the vLLM plugin tests and of bench/vllm_e2e.py (run in a venv with vLLM, see scripts/test_vllm.sh).
 
-Every engine runs in its own process through ``run_llm.py``; ``plugin=False`` sets
-``VLLM_PLUGINS=""`` there, so no vLLM process loads the plugin (the stock engine). Configurations that
-must fail at ``LLM(...)`` are checked in the test process (``construction_error``): no engine starts."""
+Every engine runs outside the test process through ``run_llm.py``, in its own engine-core process:
+one front-end process (``run_llm.py --serve``) per plugin setting serves the engines of the whole
+session, one after another, so vLLM is imported twice per session instead of once per engine
+(``VEGAS_VLLM_FRESH_PROCESSES=1``: a fresh ``run_llm.py`` process per engine, as before).
+``plugin=False`` sets ``VLLM_PLUGINS=""`` there, so no vLLM process loads the plugin (the stock
+engine); a stock configuration runs once per session (its result is kept). Configurations that must
+fail at ``LLM(...)`` are checked in the test process (``construction_error``): no engine starts."""
+import atexit
+import copy
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,34 +23,135 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BASE_LLM = dict(dtype="float32", enforce_eager=True, block_size=32, disable_log_stats=False, seed=0)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "VLLM_LOGGING_LEVEL": "WARNING"}
-# (what, wall seconds) of every vLLM process the tests started; conftest prints them at the end
-PROCESSES = []
+# (what, wall seconds) of every engine run, probe and server of the session; conftest prints them
+RUNS = []
+STARTED = {"processes": 0}  # vLLM processes the tests started themselves (front ends, probes, servers)
 
 
-def record_process(what, t0):
-    """Note a vLLM process started at ``time.perf_counter()`` ``t0`` (the session's summary lists them)."""
-    PROCESSES.append((what, time.perf_counter() - t0))
+def record_run(what, t0, process=False):
+    """Note a vLLM run begun at ``time.perf_counter()`` ``t0`` (``process``: in a process of its own)."""
+    RUNS.append((what, time.perf_counter() - t0))
+    STARTED["processes"] += bool(process)
+
+
+class _FrontEnd:
+    """A ``run_llm.py --serve`` process: vLLM's front end for every engine of one plugin setting."""
+
+    def __init__(self, plugin):
+        self.plugin, self.proc = plugin, None
+
+    def _start(self):
+        env = dict(os.environ, **ENV)
+        if not self.plugin:
+            env["VLLM_PLUGINS"] = ""
+        fd, self.log_path = tempfile.mkstemp(prefix="run_llm-serve-", suffix=".log")
+        r, w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "run_llm.py"), "--serve", str(w)],
+                                     stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=(w,), start_new_session=True, text=True)
+        os.close(fd)
+        os.close(w)
+        self.done = os.fdopen(r)
+        STARTED["processes"] += 1
+
+    def _log(self, start):
+        with open(self.log_path, errors="replace") as f:
+            f.seek(start)
+            return f.read()[-6000:]
+
+    def run(self, cfg_path, out_path, env, timeout):
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._start()
+        start = os.path.getsize(self.log_path)
+        job = json.dumps({"cfg": cfg_path, "out": out_path, "env": env or {}})
+        try:
+            self.proc.stdin.write(job + "\n")
+            self.proc.stdin.flush()
+            ready = select.select([self.done], [], [], timeout)[0]
+            finished = bool(ready) and self.done.readline() == "done\n"
+        except OSError:  # it exited
+            ready, finished = True, False
+        if not finished:
+            log = self._log(start)
+            self.close(kill=True)
+            raise AssertionError(f"run_llm.py --serve {'exited' if ready else f'timed out after {timeout} s'}:\n{log}")
+        with open(out_path) as f:
+            res = json.load(f)
+        res["log"] = self._log(start)
+        if "crash" in res:  # it exits after a crash; the next run starts a fresh one
+            self.close()
+            raise AssertionError(f"run_llm.py failed:\n{res['crash']}\n{res['log']}")
+        return res
+
+    def close(self, kill=False):
+        if self.proc is None:
+            return
+        if not kill:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                kill = True
+        if kill:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its engine-core and worker processes too
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self.done.close()
+        os.unlink(self.log_path)
+        self.proc = None
+
+
+_FRONT_ENDS = {True: _FrontEnd(True), False: _FrontEnd(False)}
+_STOCK = {}  # stock results by configuration: each is computed once per session
+
+
+def close_front_ends():
+    """Stop the ``run_llm.py --serve`` processes (the session's end; also at exit)."""
+    for fe in _FRONT_ENDS.values():
+        fe.close()
+
+
+atexit.register(close_front_ends)
 
 
 def run_llm(cfg, *, plugin=True, env=None, timeout=900):
-    """Run ``run_llm.py`` on ``cfg`` in a fresh process; returns its JSON result."""
+    """Run ``cfg``'s engine through ``run_llm.py`` (see the module docstring); returns its JSON result.
+    ``env``: variables for this engine's processes."""
+    key = None if plugin or env else json.dumps(cfg, sort_keys=True)
+    if key in _STOCK:
+        return copy.deepcopy(_STOCK[key])
+    what = f"engine {'plugin' if plugin else 'stock'} {os.path.basename(cfg['llm']['model'])}"
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         cp, op = os.path.join(d, "cfg.json"), os.path.join(d, "out.json")
         with open(cp, "w") as f:
             json.dump(cfg, f)
-        e = dict(os.environ, **ENV, **(env or {}))
-        if not plugin:
-            e["VLLM_PLUGINS"] = ""
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, os.path.join(HERE, "run_llm.py"), cp, op], env=e, timeout=timeout,
-                           capture_output=True, text=True)
-        record_process(f"run_llm {'plugin' if plugin else 'stock'} {os.path.basename(cfg['llm']['model'])}", t0)
-        if not os.path.exists(op):
-            raise AssertionError(f"run_llm.py failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
-        with open(op) as f:
-            res = json.load(f)
-        res["log"] = p.stderr[-6000:]
-        return res
+        if os.environ.get("VEGAS_VLLM_FRESH_PROCESSES", "0") == "1":
+            res = _run_fresh(cp, op, plugin, env, timeout)
+            record_run(what + " (own process)", t0, process=True)
+        else:
+            res = _FRONT_ENDS[plugin].run(cp, op, env, timeout)
+            record_run(what, t0)
+    if key is not None:
+        _STOCK[key] = copy.deepcopy(res)
+    return res
+
+
+def _run_fresh(cp, op, plugin, env, timeout):
+    e = dict(os.environ, **ENV, **(env or {}))
+    if not plugin:
+        e["VLLM_PLUGINS"] = ""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "run_llm.py"), cp, op], env=e, timeout=timeout,
+                       capture_output=True, text=True)
+    if not os.path.exists(op):
+        raise AssertionError(f"run_llm.py failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    with open(op) as f:
+        res = json.load(f)
+    res["log"] = p.stderr[-6000:]
+    return res
 
 
 def construction_error(llm_kwargs):
