@@ -6,11 +6,11 @@
 # Prints the text (stdout), then the stats and the comparison: speedup, identical tokens (stderr).
 #
 # Extra arguments go to `vegas generate`, e.g.:  bash scripts/run.sh --max-new-tokens 64 --json
-# Environment: MAX_NEW_TOKENS (default 128), SKIP_SETUP=1 to skip the install step,
-# VEGAS_CACHE_DIR (where the converted model is cached; default ~/.cache/vegas_ext).
+# Environment: MAX_NEW_TOKENS (default 128), VEGAS_SKIP_SETUP=1 (or SKIP_SETUP=1) to skip the
+# install step, VEGAS_CACHE_DIR (where the converted model is cached; default ~/.cache/vegas_ext).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${SKIP_SETUP:-0}" != "1" ]; then
+if [ "${VEGAS_SKIP_SETUP:-${SKIP_SETUP:-0}}" != "1" ]; then
   bash scripts/setup.sh >&2  # its progress on stderr: stdout carries only the text (or --json)
 fi
 PY=${PYTHON:-python3}

@@ -340,19 +340,22 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
          doors=DOORS, doc="'auto': each iteration (vLLM: each request) drafts 0..num_speculative_tokens, chosen "
                           "from the measured acceptance and step costs; 'fixed': always num_speculative_tokens"),
     _opt("draft_weights", "int8", "choice", choices=DRAFT_WEIGHTS, cli="--draft-weights", vllm="draft_weights",
-         doors=DOORS, doc="precision of the weights the draft steps read; None: the model's own (verification "
+         doors=DOORS, doc="precision of the weights the draft steps read; none: the model's own (verification "
                           "always reads the model's own, so the output is unchanged)"),
     _opt("sparse_attn_algorithm", "vegas", "choice", choices=ALGORITHMS, cli="--algorithm",
-         vllm="sparse_attn_algorithm", doors=DOORS, doc="the draft's KV selection (vLLM: vegas, streamingllm)"),
+         vllm="sparse_attn_algorithm", doors=DOORS,
+         doc="the draft's KV selection: vegas, streamingllm, quest, or full (plain decoding through the same "
+             "cache and kernels); vLLM: vegas, streamingllm"),
     _opt("sparse_attn_ratio", 0.05, "float", 0.0, 1.0, low_open=True, cli="--ratio", vllm="sparse_attn_ratio",
          doors=DOORS, doc="draft KV budget as a fraction of the context"),
     _opt("sparse_attn_min_tokens", 256, "int", 0, INT32_MAX, cli="--min-tokens", vllm="sparse_attn_min_tokens",
-         doors=DOORS, doc="lower clamp of the budget in tokens (int32: the budget in blocks is an int32 tensor)"),
+         doors=DOORS, doc="lower clamp of the budget in tokens (at most 2**31 - 1)"),
     _opt("sparse_attn_max_tokens", None, "int", 1, INT64_MAX, none_ok=True, cli="--max-tokens",
          vllm="sparse_attn_max_tokens", doors=DOORS,
-         doc="upper clamp of the budget in tokens, >= max(1, sparse_attn_min_tokens); None: none"),
+         doc="upper clamp of the budget in tokens, at least the lower clamp (and 1); none: no clamp"),
     _opt("block_size", None, "int", 1, INT64_MAX, none_ok=True, cli="--block-size",
-         doc="tokens per KV selection block; None: DEFAULT_BLOCK_SIZE of the algorithm (vLLM: its page size)"),
+         doc="tokens per KV selection block; none: the algorithm's (1 for vegas, 16 for streamingllm and "
+             "quest; vLLM: its page size)"),
     _opt("num_sink_blocks", 1, "int", 0, INT32_MAX, cli="--sink-blocks", vllm="num_sink_pages", doors=DOORS,
          doc="leading blocks always selected (attention sinks); the plugin's blocks are vLLM's pages"),
     _opt("share_selection_across_heads", False, "bool", cli="--share-selection",
@@ -368,7 +371,7 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     _opt("do_sample", False, "bool", cli="--do-sample", doc="speculative sampling instead of greedy",
          doors=("generate", "cli")),
     _opt("temperature", 1.0, "float", MIN_TEMPERATURE, math.inf, cli="--temperature", doors=("generate", "cli"),
-         doc="sampling temperature, >= MIN_TEMPERATURE (range checked with do_sample)"),
+         doc="sampling temperature, >= 1e-05 (range checked with do_sample)"),
     _opt("top_k", 0, "int", 0, INT64_MAX, cli="--top-k", doc="top-k filter, 0 = off", doors=("generate", "cli")),
     _opt("top_p", 1.0, "float", 0.0, 1.0, low_open=True, cli="--top-p", doors=("generate", "cli"),
          doc="nucleus filter (range checked with do_sample)"),
