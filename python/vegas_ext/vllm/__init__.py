@@ -192,7 +192,8 @@ def main(argv=None) -> None:
     ``vllm serve --speculative-config``."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m vegas_ext.vllm", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m vegas_ext.vllm",
+                                description="Prints the JSON for vllm serve --speculative-config.")
     for name, opt in config.OPTIONS.items():  # the table's vLLM column: its names, defaults, choices
         if opt.vllm is None:
             continue
