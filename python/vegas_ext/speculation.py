@@ -7,7 +7,7 @@ lossless whatever it picks (greedy equals plain greedy; speculative sampling kee
 distribution for any number of drafts fixed before they are drawn).
 
 * ``"fixed"`` -- :class:`FixedGamma`: always ``num_speculative_tokens`` (shrunk near a row's end);
-* ``"auto"`` -- :class:`AutoGamma`: before every iteration the ``g`` in ``0..max_speculative_tokens``
+* ``"auto"`` -- :class:`AutoGamma`: before every iteration the ``g`` in ``0..num_speculative_tokens`` (the cap)
   with the most expected emitted tokens per second, from an :class:`AcceptanceEstimate` and a
   :class:`StepCostModel` the loop feeds as it decodes (``g = 0``: a plain step).
 
