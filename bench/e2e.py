@@ -590,9 +590,9 @@ def run_records(h: Harness, cell: Dict[str, Any], results: Dict[str, Any], cell_
 
 
 #: the gamma policy's statistics copied into each record of a drafting run
-_POLICY_FIELDS = ("gamma_policy", "gamma_histogram", "gamma_per_iteration", "acceptance_estimates",
-                  "cost_t_plain_ms", "cost_t_draft_ms", "cost_t_select_ms", "cost_t_verify_c0_ms",
-                  "cost_t_verify_c1_ms", "num_probes")
+_POLICY_FIELDS = ("gamma_policy", "gamma_histogram", "row_gamma_histogram", "gamma_per_iteration",
+                  "acceptance_estimates", "cost_t_plain_ms", "cost_t_draft_ms", "cost_t_select_ms",
+                  "cost_t_verify_c0_ms", "cost_t_verify_c1_ms", "cost_t_verify_per_token_ms", "num_probes")
 
 
 def _stat_fields(s: Dict[str, Any]) -> Dict[str, Any]:
@@ -612,6 +612,36 @@ def _stat_fields(s: Dict[str, Any]) -> Dict[str, Any]:
         "time_select_s": s.get("time_select_s"),
         "ms_per_iteration": (1000 * (s["time_total_s"] - (s.get("time_prefill_s") or 0)) / s["num_iterations"]
                              if s.get("num_iterations") else None),
+        "num_verified_tokens": s.get("num_verified_tokens"),
+        **iteration_accounting(s),
+    }
+
+
+def iteration_accounting(s: Dict[str, Any]) -> Dict[str, Any]:
+    """Where one decoding iteration's time goes (``s``: a run's ``stats``), per iteration after
+    prefill: ``iter_draft_ms``, ``iter_verify_ms``, ``iter_select_ms`` (Quest's in-forward scoring
+    included, prefill's excluded) and ``iter_other_ms`` (the rest: compaction, streamer, Python
+    between phases); ``iter_tokens`` emitted tokens (all rows), ``iter_draft_steps`` draft steps,
+    ``iter_verified_tokens`` tokens through the verification forward, ``verify_ms_per_token`` and
+    ``draft_step_ms``. Together they say why a higher mean acceptance length does or does not
+    become speed: tokens per iteration against the draft, verify and select time they cost."""
+    it = s.get("num_iterations")
+    if not it or s.get("time_total_s") is None:
+        return {}
+    steps = sum(s.get("gamma_per_iteration") or []) or 0
+    dec = s["time_total_s"] - (s.get("time_prefill_s") or 0.0)
+    sel = s.get("time_select_s", 0.0) - (s.get("time_select_prefill_s") or 0.0)
+    draft, verify = s.get("time_draft_s", 0.0), s.get("time_verify_s", 0.0)
+    n_first = s.get("batch_size") or 0
+    vt = s.get("num_verified_tokens")
+    return {
+        "iter_draft_ms": 1000 * draft / it, "iter_verify_ms": 1000 * verify / it, "iter_select_ms": 1000 * sel / it,
+        "iter_other_ms": 1000 * (dec - draft - verify - sel) / it,
+        "iter_tokens": (s.get("num_generated_tokens", 0) - n_first) / it,
+        "iter_draft_steps": steps / it,
+        "iter_verified_tokens": vt / it if vt else None,
+        "verify_ms_per_token": 1000 * verify / vt if vt else None,
+        "draft_step_ms": 1000 * draft / steps if steps else None,
     }
 
 
@@ -698,7 +728,28 @@ def summary_markdown(records: List[Dict[str, Any]], args, env: Dict[str, Any], m
             f"{_f(None if g('select_overhead_share') is None else 100 * g('select_overhead_share'), '{:.1f}')} | {split} | "
             f"{'–' if ident is None else ('yes' if ident else '**no**')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + accounting_markdown(records, keys)) + "\n"
+
+
+def accounting_markdown(records: List[Dict[str, Any]], keys: List[tuple]) -> List[str]:
+    """The lines of the per-iteration accounting table (:func:`iteration_accounting`, medians per
+    (document, context, batch, configuration) in ``keys``)."""
+    lines = ["", "Per iteration (medians): where the time goes. tokens = emitted tokens of all rows; steps = draft "
+              "steps; verified = tokens through the verification forward (rows' tokens packed when their drafts "
+              "differ); other = time outside draft / verify / select (compaction, Python between phases).", "",
+              "| doc | ctx | B | config | tokens | steps | verified | draft ms | verify ms | select ms | other ms "
+              "| ms / draft step | verify ms / token | row γ histogram |",
+              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for k in keys:
+        rs = [r for r in records if (r["doc"], r["context"], r["batch_size"], r["label"]) == k]
+        g = lambda f: _med([r.get(f) for r in rs])  # noqa: E731
+        hist = rs[0].get("row_gamma_histogram") or rs[0].get("gamma_histogram")
+        lines.append(
+            f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {_f(g('iter_tokens'))} | {_f(g('iter_draft_steps'))} | "
+            f"{_f(g('iter_verified_tokens'))} | {_f(g('iter_draft_ms'), '{:.1f}')} | {_f(g('iter_verify_ms'), '{:.1f}')} | "
+            f"{_f(g('iter_select_ms'), '{:.1f}')} | {_f(g('iter_other_ms'), '{:.1f}')} | {_f(g('draft_step_ms'), '{:.1f}')} | "
+            f"{_f(g('verify_ms_per_token'), '{:.2f}')} | {hist if hist and k[3] not in ('hf', 'full') else '–'} |")
+    return lines
 
 
 if __name__ == "__main__":

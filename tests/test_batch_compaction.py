@@ -89,7 +89,9 @@ def test_return_cache_keeps_every_row():
                                  return_cache=True, **SPARSE)
     finally:
         hook.remove()
-    assert set(seen) == {4}
+    # every forward keeps all 4 rows, but a verification where rows verify different counts (here:
+    # finished rows verify nothing) packs the rows' tokens into one sequence, [1, N]
+    assert seen[0] == 4 and set(seen) <= {1, 4}, seen
     n_new = [min(s + 1, NEW) for s in stops]
     assert out.cache.lengths.tolist() == [L + n - 1 for L, n in zip(LENGTHS, n_new)]
 

@@ -13,7 +13,7 @@ import torch
 
 import vegas_ext
 from vegas_ext import speculation
-from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts
+from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts, RowGamma
 
 from decode_utils import FAMILIES, cached_model, first_diff, hf_greedy, make_prompts, one_thread  # noqa: F401
 from test_cli import run_cli, tiny_model_dir  # noqa: F401
@@ -358,14 +358,15 @@ def test_auto_choice_depends_only_on_observations():
 
 
 # --------------------------------------------------------------------------- in the loop
-class _CheapDrafts(AutoGamma):
-    """AutoGamma fed synthetic costs under which speculation pays, so that it drafts long runs
-    (the tiny test models' real timings favour plain steps)."""
+class _CheapDrafts(RowGamma):
+    """The loop's ``auto`` policy fed synthetic costs under which speculation pays, so that it
+    drafts long runs (the tiny test models' real timings favour plain steps)."""
 
     def observe_iteration(self, costs, drafted, accepted):
         g = costs.gamma
-        super().observe_iteration(IterationCosts(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0,
-                                                 scored=costs.scored), drafted, accepted)
+        super().observe_iteration(IterationCosts(g, 0.01 * g, 1.0 + 0.01 * costs.tokens, 0.001 if g else 0.0,
+                                                 scored=costs.scored, tokens=costs.tokens, rows=costs.rows),
+                                  drafted, accepted)
 
 
 @pytest.mark.parametrize("cheap", [False, True], ids=["measured", "cheap_drafts"])
@@ -373,7 +374,7 @@ class _CheapDrafts(AutoGamma):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_greedy_equals_plain_greedy(family, batch, cheap, monkeypatch):
     if cheap:
-        monkeypatch.setattr(speculation, "AutoGamma", _CheapDrafts)
+        monkeypatch.setattr(speculation, "RowGamma", _CheapDrafts)
     model = cached_model(family)
     ids, mask = make_prompts(model.config.vocab_size, [300, 217, 281][:batch], seed=batch)
     ref = hf_greedy(model, ids, mask, 30, eos_token_id=[])

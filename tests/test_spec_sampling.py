@@ -74,22 +74,24 @@ def test_rule_keeps_target_marginals():
     assert abs(float((a > 0).float().mean()) - exp_acc) < 0.01
 
 
-def _accept_wrong_ratio(drafts, q, p, generator=None):
+def _accept_wrong_ratio(drafts, q, p, generator=None, num_drafts=None):
     # BUG on purpose: accepts with min(1, q/p) instead of min(1, p/q)
     if q is None:  # no drafts this iteration
-        return speculative_accept(drafts, q, p, generator)
-    return speculative_accept(drafts, p[:, : q.shape[1]], torch.cat([q, p[:, -1:]], 1), generator)
+        return speculative_accept(drafts, q, p, generator, num_drafts)
+    return speculative_accept(drafts, p[:, : q.shape[1]], torch.cat([q, p[:, -1:]], 1), generator, num_drafts)
 
 
-def _accept_unnormalized_residual(drafts, q, p, generator=None):
+def _accept_unnormalized_residual(drafts, q, p, generator=None, num_drafts=None):
     # BUG on purpose: on rejection samples from p instead of normalize(max(p - q, 0))
     if q is None:  # no drafts this iteration
-        return speculative_accept(drafts, q, p, generator)
+        return speculative_accept(drafts, q, p, generator, num_drafts)
     B, g = drafts.shape
     pd = p[:, :g].gather(-1, drafts[..., None])[..., 0]
     qd = q.gather(-1, drafts[..., None])[..., 0]
     u = torch.rand((B, g), generator=generator)
     a = (u * qd < pd).long().cumprod(1).sum(1)
+    if num_drafts is not None:
+        a = torch.minimum(a, num_drafts)
     pa = p.gather(1, a[:, None, None].expand(B, 1, p.shape[-1]))[:, 0]
     return a, torch.multinomial(pa, 1, generator=generator)[:, 0]
 

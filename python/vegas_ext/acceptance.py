@@ -45,13 +45,15 @@ def probs(logits: Tensor, warpers: LogitsProcessorList) -> Tensor:
     return torch.softmax(x, dim=-1).view(shape)
 
 
-def greedy_accept(drafts: Tensor, target_logits: Tensor):
+def greedy_accept(drafts: Tensor, target_logits: Tensor, num_drafts: Optional[Tensor] = None):
     """Greedy verification.
 
     Args:
         drafts: ``[B, g]`` int64 draft tokens.
         target_logits: ``[B, g + 1, V]`` target logits at the positions of the last target token and
             the ``g`` drafts.
+        num_drafts: optional ``[B]`` int64, row ``b`` verifies only its first ``num_drafts[b]``
+            drafts (``<= g``; its logits past ``num_drafts[b]`` are never read). Default: all ``g``.
 
     Returns:
         ``(a, t)``: ``[B]`` accepted draft counts (longest prefix equal to the target's argmax) and
@@ -61,13 +63,16 @@ def greedy_accept(drafts: Tensor, target_logits: Tensor):
     g = drafts.shape[1]
     if g:
         a = (drafts == tgt[:, :g]).long().cumprod(1).sum(1)
+        if num_drafts is not None:
+            a = torch.minimum(a, num_drafts)
     else:
         a = torch.zeros(drafts.shape[0], dtype=torch.long, device=drafts.device)
     t = tgt.gather(1, a[:, None])[:, 0]
     return a, t
 
 
-def speculative_accept(drafts: Tensor, q: Tensor, p: Tensor, generator: Optional[torch.Generator] = None):
+def speculative_accept(drafts: Tensor, q: Tensor, p: Tensor, generator: Optional[torch.Generator] = None,
+                       num_drafts: Optional[Tensor] = None):
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023), vectorized over rows.
 
     Draft ``j`` is accepted with probability ``min(1, p_j(x) / q_j(x))``; at the first rejection the
@@ -79,6 +84,9 @@ def speculative_accept(drafts: Tensor, q: Tensor, p: Tensor, generator: Optional
         q: ``[B, g, V]`` float32, exactly the (warped) distributions the drafts were drawn from.
         p: ``[B, g + 1, V]`` float32 warped target distributions.
         generator: optional ``torch.Generator`` (reproducible runs).
+        num_drafts: optional ``[B]`` int64, row ``b`` verifies only its first ``num_drafts[b]``
+            drafts (``<= g``): if all of those pass, its next token is drawn from
+            ``p[b, num_drafts[b]]``, as if it had drafted no more. Default: all ``g``.
 
     Returns:
         ``(a, t)``: ``[B]`` accepted counts and ``[B]`` the next token.
@@ -90,6 +98,9 @@ def speculative_accept(drafts: Tensor, q: Tensor, p: Tensor, generator: Optional
         u = torch.rand((B, g), generator=generator, device=p.device, dtype=torch.float32)
         acc = u * qd < pd  # u < p/q without dividing; always true when p >= q
         a = acc.long().cumprod(1).sum(1)
+        if num_drafts is not None:  # a row past its own drafts takes the bonus token from p
+            a = torch.minimum(a, num_drafts)
+            q = torch.where((torch.arange(g, device=q.device)[None, :] < num_drafts[:, None])[..., None], q, 0.0)
         q_ext = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], 1)
     else:
         a = torch.zeros(B, dtype=torch.long, device=p.device)

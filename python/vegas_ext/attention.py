@@ -92,6 +92,10 @@ class AttentionState:
             min/max; rollbacks are covered because rewritten positions are reported again).
         layer_calls: attention calls served since the last :meth:`check_forward` (the decode loop
             checks that every layer of every forward came through here).
+        packed: ``None``, or for a forward whose rows' tokens are packed into one sequence
+            (:meth:`VegasCache.begin_packed_forward`, input ``[1, N]``) the ``(row, start, count)``
+            of every row with tokens in it: row ``row``'s tokens are ``[start, start + count)``
+            of the sequence, and its attention runs on them alone (``"verify"`` mode).
     """
 
     cache: VegasCache
@@ -104,6 +108,7 @@ class AttentionState:
     draft_hook: Optional[Callable] = None
     write_hook: Optional[Callable] = None
     layer_calls: int = 0
+    packed: Optional[List[tuple]] = None
     _qw_cache: dict = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -184,7 +189,7 @@ def vegas_attention_forward(
         scaling = query.shape[-1] ** -0.5
     mode = st.mode
     if st.write_hook is not None:
-        st.write_hook(layer, key, st.cache.seq_lens - query.shape[2])
+        st.write_hook(layer, key, st.cache.write_start)
     if mode == "prefill":
         q_len = query.shape[2]
         out = F.scaled_dot_product_attention(
@@ -197,6 +202,10 @@ def vegas_attention_forward(
         )
         return out.transpose(1, 2).contiguous(), None
     q = query.transpose(1, 2).contiguous()  # [B, Q, H_q, D]
+    if st.packed is not None:
+        if mode != "verify":
+            raise RuntimeError(f"vegas attention: packed rows are verified only, not in mode {mode!r}")
+        return _packed_verify(st, layer, q, key, value, float(scaling)), None
     if mode == "verify":
         out, _lse, scores = ops.verify_attention(
             q, key, value, st.cache.seq_lens, st.block_size, float(scaling), st.weights_for(q.shape[1])
@@ -214,6 +223,21 @@ def vegas_attention_forward(
         )
         return out, None
     raise RuntimeError(f"vegas attention: unknown mode {mode!r}")
+
+
+def _packed_verify(st: AttentionState, layer: int, q: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """Verification of packed rows (``q`` ``[1, N, H_q, D]``): each row's queries over its own
+    cache row (views, no copies), its block scores into ``st.block_scores[layer, row]``; rows
+    without tokens keep their scores. Returns ``[1, N, H_q, D]``."""
+    out = torch.empty_like(q)
+    seq = st.cache.seq_lens
+    for b, s, n in st.packed:
+        o, _lse, scores = ops.verify_attention(q[:, s:s + n], key[b:b + 1], value[b:b + 1], seq[b:b + 1],
+                                               st.block_size, scaling, st.weights_for(n))
+        out[:, s:s + n] = o
+        if st.block_scores is not None:
+            st.block_scores[layer, b].copy_(scores[0])
+    return out
 
 
 def vegas_attention_mask(*args, **kwargs):

@@ -144,7 +144,12 @@ class VegasCacheLayer(CacheLayerMixin):
         """Scatter ``key_states`` / ``value_states`` (``[B, H_kv, Q, D]``) of each row at that row's
         write positions; return the whole ``[B, H_kv, S_max, D]`` buffers."""
         p = self._parent
-        if p._write_pos is None or p._write_pos.shape[1] != key_states.shape[2]:
+        if p._write_rows is not None and p._write_pos.shape[0] == key_states.shape[2] and key_states.shape[0] == 1:
+            # packed rows (begin_packed_forward): token n goes to row rows[n] at position pos[n]
+            self.keys[p._write_rows, :, p._write_pos] = key_states[0].transpose(0, 1).to(self.dtype)
+            self.values[p._write_rows, :, p._write_pos] = value_states[0].transpose(0, 1).to(self.dtype)
+            return self.keys, self.values
+        if p._write_pos is None or p._write_pos.dim() != 2 or p._write_pos.shape[1] != key_states.shape[2]:
             raise RuntimeError(
                 "VegasCache.update: begin_forward(q_len) must be called with the number of new tokens "
                 f"({key_states.shape[2]}) before the model forward"
@@ -217,6 +222,8 @@ class VegasCache(Cache):
         self.seq_lens = self.lengths.clone()
         self._row_idx = torch.arange(batch_size, device=device).unsqueeze(1)
         self._write_pos: Optional[Tensor] = None
+        self._write_rows: Optional[Tensor] = None  # packed forwards: each token's row
+        self.write_start = self.lengths.clone()  # [B] int32, first position the current forward writes per row
         self._max_len = 0
 
     def _bind_layers(self) -> None:
@@ -266,13 +273,36 @@ class VegasCache(Cache):
         if end_max > self.max_len:
             raise ValueError(f"VegasCache: a row would write up to position {end_max - 1}, past max_len {self.max_len}")
         self._write_pos = start.long().unsqueeze(1) + torch.arange(q_len, device=self.device)
+        self._write_rows = None
+        self.write_start = start.to(torch.int32)
         self.seq_lens = (start + q_len).to(torch.int32)
         self._max_len = end_max
+
+    def begin_packed_forward(self, q_lens: Tensor) -> Tuple[Tensor, Tensor]:
+        """Prepare one forward of ``q_lens[b]`` new tokens for row ``b`` (``[B]`` int, 0 allowed),
+        packed into one sequence of ``N = q_lens.sum()`` tokens, row after row: row ``b``'s
+        tokens are written at ``lengths[b] + [0, q_lens[b])``. Returns ``(rows [N], pos [N])``
+        int64, each token's row and position (the forward's input is ``[1, N]``). Raises
+        ``ValueError`` if a row would write past ``S_max``."""
+        q_lens = q_lens.to(device=self.device, dtype=torch.long)
+        end = self.lengths.long() + q_lens
+        end_max = int(end.max())
+        if end_max > self.max_len:
+            raise ValueError(f"VegasCache: a row would write up to position {end_max - 1}, past max_len {self.max_len}")
+        rows = torch.repeat_interleave(torch.arange(q_lens.numel(), device=self.device), q_lens)
+        first = torch.cumsum(q_lens, 0) - q_lens
+        pos = self.lengths.long()[rows] + torch.arange(rows.numel(), device=self.device) - first[rows]
+        self._write_rows, self._write_pos = rows, pos
+        self.write_start = self.lengths.clone()
+        self.seq_lens = end.to(torch.int32)
+        self._max_len = end_max
+        return rows, pos
 
     def commit(self, lengths: Tensor) -> None:
         """Set the committed lengths (``[B]`` int); used after prefill and after acceptance."""
         self.lengths = lengths.to(device=self.device, dtype=torch.int32)
         self.seq_lens = self.lengths
+        self.write_start = self.lengths
         self._max_len = int(self.lengths.max())
 
     rollback = commit  # rolling back is committing a smaller length: nothing moves
@@ -291,7 +321,7 @@ class VegasCache(Cache):
             layer.values = layer.values.index_select(0, rows)
             layer.batch_size = layer.keys.shape[0]
         self._row_idx = torch.arange(rows.numel(), device=self.device).unsqueeze(1)
-        self._write_pos = None
+        self._write_pos = self._write_rows = None
         self.commit(self.lengths.index_select(0, rows))
 
     def reset(self) -> None:

@@ -355,46 +355,75 @@ def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
     return lambda ids, pos: lean(ids, pos, st)
 
 
-def verify(state: DecodeState, drafts: Tensor, score: bool = True) -> Tensor:
+def verify(state: DecodeState, drafts: Tensor, score: bool = True, num_drafts: Optional[Tensor] = None):
     """One full-attention forward over each row's last token and its drafts (the cache receives
     their K/V). With ``score`` the verification's block scores land in ``attn.block_scores`` for
     the next selection; without (a plain step whose scores no draft will read) the kernel reduces
-    them over coarse blocks only and nothing is stored. Returns the target logits ``[B, g + 1, V]``."""
-    g = drafts.shape[1]
-    st = state.attn
+    them over coarse blocks only and nothing is stored.
+
+    ``num_drafts`` (``[B]`` int64, default all ``g``): row ``b`` verifies its first
+    ``num_drafts[b]`` drafts only, and finished rows nothing. Unless every row verifies all ``g``,
+    the rows' tokens are packed into one sequence (:meth:`VegasCache.begin_packed_forward`), so a
+    row verifying 2 tokens does not pay for one verifying 7.
+
+    Returns ``(logits [B, g + 1, V], tokens)``: the target logits (a row's past its own drafts are
+    0, never read) and the tokens the forward took."""
+    B, g = drafts.shape
+    st, cache = state.attn, state.cache
     st.mode = "verify"
-    state.cache.begin_forward(g + 1)
     ids = torch.cat([state.last_tok[:, None], drafts], 1)
-    ar = torch.arange(g + 1, device=drafts.device)
-    pos = (state.cache.lengths.long()[:, None] + ar[None, :]).clamp(max=state.settings.max_pos - 1)
+    max_pos = state.settings.max_pos
+    q_lens = None if num_drafts is None else torch.where(state.done, 0, num_drafts + 1)
+    if q_lens is not None and bool((q_lens == g + 1).all()):
+        q_lens = None
     state.selected = False
     scores, block_size = st.block_scores, st.block_size
     if not score:
         st.block_scores, st.block_size = None, max(block_size, COARSE_BLOCK_SIZE)
     try:
-        logits = state.forward(ids, pos, 0)
+        if q_lens is None:
+            cache.begin_forward(g + 1)
+            ar = torch.arange(g + 1, device=drafts.device)
+            pos = (cache.lengths.long()[:, None] + ar[None, :]).clamp(max=max_pos - 1)
+            logits, tokens = state.forward(ids, pos, 0), B * (g + 1)
+        else:
+            rows, pos = cache.begin_packed_forward(q_lens)
+            offs = pos - cache.lengths.long()[rows]
+            counts = q_lens.tolist()
+            starts = [sum(counts[:b]) for b in range(B)]
+            st.packed = [(b, s0, n) for b, (s0, n) in enumerate(zip(starts, counts)) if n]
+            try:
+                packed = state.forward(ids[rows, offs][None], pos.clamp(max=max_pos - 1)[None], 0)[0]
+            finally:
+                st.packed = None
+            logits = packed.new_zeros((B, g + 1, packed.shape[-1]))
+            logits[rows, offs] = packed
+            tokens = rows.numel()
     finally:
         st.block_scores, st.block_size = scores, block_size
     state.scores_fresh = score
-    return logits
+    return logits, tokens
 
 
-def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tensor):
-    """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``."""
+def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tensor,
+           num_drafts: Optional[Tensor] = None):
+    """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``; row ``b``
+    verifies its first ``num_drafts[b]`` drafts (default all)."""
     logits = state.process(logits, drafts)
     cfg = state.settings
     if cfg.do_sample:
-        return speculative_accept(drafts, q, probs(logits, cfg.warpers), cfg.generator)
-    return greedy_accept(drafts, logits)
+        return speculative_accept(drafts, q, probs(logits, cfg.warpers), cfg.generator, num_drafts)
+    return greedy_accept(drafts, logits, num_drafts)
 
 
-def emit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
+def emit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor, num_drafts: Optional[Tensor] = None):
     """Emit each active row's accepted drafts and the target's token (up to its EOS, its stopping
     criteria and its ``max_new_tokens``), count them, and commit the cache: exact K/V for the last
     token and the emitted tokens but the last; rejected drafts are rolled back by length.
 
-    Returns ``(drafted [B], matched [B])``: per row the drafts that could be emitted and how many
-    of them matched the target (for the ``gamma`` policy)."""
+    Returns ``(drafted [B], matched [B])``: per row the drafts it verified that could be emitted
+    (row ``b`` verified ``num_drafts[b]``, default all) and how many of them matched the target
+    (for the ``gamma`` policy)."""
     cfg = state.settings
     B, g = drafts.shape
     active = ~state.done
@@ -407,7 +436,8 @@ def emit(state: DecodeState, drafts: Tensor, a: Tensor, t: Tensor):
     state.new_tokens[state.rows[rows], state.n_gen[rows] + cols] = cand[rows, cols]
     # drafts that could never be emitted (past max_new_tokens) are not counted as drafted, and
     # accepted drafts after an EOS (never emitted) not as accepted
-    drafted = torch.where(active, torch.clamp(rem - 1, max=g), torch.zeros_like(rem))
+    verified = torch.full_like(rem, g) if num_drafts is None else num_drafts
+    drafted = torch.where(active, torch.minimum(rem - 1, verified).clamp(min=0), torch.zeros_like(rem))
     matched = torch.minimum(a, drafted)
     state.stats.record(drafted, torch.minimum(matched, count))
     if cfg.streamer is not None and int(count[0]) > 0:
@@ -437,34 +467,37 @@ def _emitted_counts(state: DecodeState, cand: Tensor, count: Tensor):
 
 
 def advance(state: DecodeState) -> None:
-    """Choose ``gamma`` and run one :func:`iteration` with it. A plain iteration (``gamma = 0``)
-    does not score blocks; when drafts follow one and the strategy reads verification scores, a
-    plain iteration that scores them runs first."""
+    """Choose each row's drafts (the ``gamma`` policy) and run one :func:`iteration` with them. A
+    plain iteration (no drafts) does not score blocks; when drafts follow one and the strategy reads
+    verification scores, a plain iteration that scores them runs first."""
     cfg = state.settings
-    g = cfg.policy.choose(*_gamma_limits(state))
-    if g and cfg.strategy.needs_verify_scores and not state.scores_fresh:
+    gs = cfg.policy.choose_rows(_draft_caps(state))
+    if bool((gs > 0).any()) and cfg.strategy.needs_verify_scores and not state.scores_fresh:
         cfg.policy.note_plain_step()
-        iteration(state, 0, score=True)
+        kept = iteration(state, torch.zeros_like(gs), score=True)
         if bool(state.done.all()):
             return
-        g = min(g, _gamma_limits(state)[1])
-    iteration(state, g, score=g > 0)
+        if kept is not None:
+            gs = gs[kept]
+        gs = torch.minimum(gs, _draft_caps(state).clamp(min=0))
+    iteration(state, gs, score=bool((gs > 0).any()))
 
 
-def _gamma_limits(state: DecodeState):
-    """``(caps, limit)`` for the gamma policy: per active row the drafts it could still emit, and
-    the most the batch may draft (also kept inside the model's positions)."""
-    active = ~state.done
-    caps = (state.limit_new - state.n_gen - 1)[active]
-    room = int((state.settings.max_pos - 1 - state.cache.lengths.long())[active].min())
-    return caps, max(0, min(int(caps.max()), room))
+def _draft_caps(state: DecodeState) -> Tensor:
+    """``[B]`` int64: per row the most drafts the policy may give it -- what it could still emit
+    (``max_new_tokens`` left minus 1), kept inside the model's positions; ``-1`` for finished rows."""
+    caps = state.limit_new - state.n_gen - 1
+    room = state.settings.max_pos - 1 - state.cache.lengths.long()
+    return torch.where(state.done, -1, torch.minimum(caps, room).clamp(min=0))
 
 
-def iteration(state: DecodeState, g: int, score: bool = True) -> None:
-    """One iteration: select (if drafting) -> draft ``g`` -> verify -> accept -> emit, timed per
-    phase into ``state.stats`` and reported to the gamma policy; then finished rows leave the batch."""
+def iteration(state: DecodeState, num_drafts: Tensor, score: bool = True) -> Optional[Tensor]:
+    """One iteration: select (if drafting) -> draft ``max(num_drafts)`` steps -> verify each row's
+    own ``num_drafts[b]`` -> accept -> emit, timed per phase into ``state.stats`` and reported to
+    the gamma policy; then finished rows leave the batch. Returns the kept rows' indices (``[B']``
+    int64) when rows left, else ``None``."""
     cfg, stats = state.settings, state.stats
-    active = ~state.done
+    g = int(num_drafts.max()) if num_drafts.numel() else 0
     t0 = time.perf_counter()
     t_sel = 0.0
     if g and not state.selected:
@@ -477,22 +510,25 @@ def iteration(state: DecodeState, g: int, score: bool = True) -> None:
     if g:
         cfg.sync()
     t2 = time.perf_counter()
-    logits = verify(state, drafts, score)
-    drafted, matched = emit(state, drafts, *accept(state, drafts, q, logits))
+    logits, tokens = verify(state, drafts, score, num_drafts)
+    drafted, matched = emit(state, drafts, *accept(state, drafts, q, logits, num_drafts), num_drafts)
     cfg.sync()
     t3 = time.perf_counter()
     stats.time_select_s += t_sel
     stats.time_draft_s += t2 - t1
     stats.time_verify_s += t3 - t2
-    cfg.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score),
-                                 drafted[active], matched[active])
+    stats.num_verified_tokens += tokens
+    cfg.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score, tokens=tokens,
+                                                rows=drafts.shape[0]), drafted, matched)
     if cfg.compact and bool(state.done.any()) and not bool(state.done.all()):
-        drop_finished_rows(state)
+        keep = drop_finished_rows(state)
         cfg.sync()
         stats.time_compact_s += time.perf_counter() - t3
+        return keep
+    return None
 
 
-def drop_finished_rows(state: DecodeState) -> None:
+def drop_finished_rows(state: DecodeState) -> Tensor:
     """Finished rows leave the batch: the cache rows, the attention state (block scores, indices
     and tail), the strategy's per-row metadata and the per-row progress keep the active rows only,
     so that every later forward runs on them alone."""
@@ -504,8 +540,10 @@ def drop_finished_rows(state: DecodeState) -> None:
             setattr(st, name, getattr(st, name)[:, keep].contiguous())
     st.tail_start = st.tail_start[keep]
     state.settings.strategy.keep_rows(keep)
+    state.settings.policy.keep_rows(keep)
     for name in ("limit_new", "n_gen", "done", "last_tok", "rows"):
         setattr(state, name, getattr(state, name)[keep])
+    return keep
 
 
 # =========================================================================== generate

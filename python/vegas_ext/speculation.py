@@ -21,8 +21,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["make_gamma_policy", "GammaPolicy", "FixedGamma", "AutoGamma", "AcceptanceEstimate", "StepCostModel",
-           "IterationCosts", "PerRequestGamma"]
+__all__ = ["make_gamma_policy", "GammaPolicy", "FixedGamma", "AutoGamma", "RowGamma", "AcceptanceEstimate",
+           "StepCostModel", "TokenCostModel", "IterationCosts", "PerRequestGamma", "allocate_drafts"]
 
 
 @dataclass
@@ -37,6 +37,8 @@ class IterationCosts:
     verify: float
     select: float
     scored: bool = True
+    tokens: int = 0  # tokens through the verification forward (sum over rows of g_b + 1); 0: not given
+    rows: int = 0  # rows in the batch's forwards; 0: not given
 
 
 class GammaPolicy:
@@ -61,6 +63,24 @@ class GammaPolicy:
             limit: the most drafts the batch may write (``max(caps)`` and the model's last position).
         """
         raise NotImplementedError
+
+    def choose_rows(self, caps: Tensor) -> Tensor:
+        """Per-row drafts for the next iteration: ``[B]`` int64, row ``b``'s in ``[0, caps[b]]``.
+
+        Args:
+            caps: ``[B]`` int64, per row the most drafts it may write (``max_new_tokens`` left
+                minus 1, kept inside the model's positions); ``-1`` for a row that no longer
+                decodes (it gets 0 and is not verified).
+
+        The base rule: one ``gamma`` for the batch (:meth:`choose` over the decoding rows), cut
+        to each row's cap."""
+        active = caps >= 0
+        g = self.choose(caps[active], int(caps.max()))
+        return caps.clamp(min=0, max=g)
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """The batch keeps only ``rows`` (``[B']`` int64 indices into the current rows, ascending);
+        per-row state follows. No per-row state here."""
 
     def note_plain_step(self) -> None:
         """The loop ran a plain step before the iteration just chosen (to score the KV blocks its
@@ -420,6 +440,237 @@ class AutoGamma(GammaPolicy):
         }
 
 
+def allocate_drafts(marginal: List[List[float]], caps: List[int], gamma: int,
+                    cost) -> Tuple[float, List[int]]:
+    """The best drafts per row for one iteration of at most ``gamma`` draft steps.
+
+    Args:
+        marginal: per row ``b``, ``marginal[b][j]`` the probability that its draft ``j + 1`` is
+            emitted (``prod_{i <= j} a_{b,i}``: non-increasing in ``j``).
+        caps: per row the most drafts it may write (``-1``: the row does not decode).
+        gamma: the draft steps of the iteration (every row drafts in each of them).
+        cost: ``n_tokens -> seconds`` of the iteration when its verification takes ``n_tokens``
+            tokens (each decoding row's last token plus its verified drafts).
+
+    Returns:
+        ``(rate, drafts)``: expected emitted tokens per second and per row the drafts to verify.
+        With the rows' marginal gains non-increasing, adding drafts in order of gain gives the
+        most expected tokens for every token count, so the best rate is on that path (Leviathan
+        et al. 2023's expected tokens; verification priced per token, so a row drafting 1 does
+        not pay for a row drafting 6).
+    """
+    active = [b for b, c in enumerate(caps) if c >= 0]
+    n = len(active)
+    steps = sorted(((marginal[b][j], b) for b in active for j in range(min(gamma, caps[b]))), key=lambda x: -x[0])
+    drafts = [0] * len(caps)
+    tokens = float(n)
+    best_rate, best_k = tokens / max(cost(n), 1e-12), 0
+    for k, (m, _b) in enumerate(steps, 1):
+        tokens += m
+        r = tokens / max(cost(n + k), 1e-12)
+        if r > best_rate:
+            best_rate, best_k = r, k
+    for _, b in steps[:best_k]:
+        drafts[b] += 1
+    return best_rate, drafts
+
+
+class TokenCostModel:
+    """Iteration costs of a batch whose rows draft their own number of tokens, in seconds.
+
+    A verification of ``n`` tokens (each row's last token and its drafts, packed) costs
+    ``c0 + c1 n``: the weights are read once per forward (``c0``) and every token pays its linears
+    and its attention over its row's context (``c1``). Fitted by least squares over the medians per
+    ``n`` of the last ``window`` verification passes *and* of the last plain steps (``n`` = the
+    batch's rows): the ragged token counts and the plain steps spread the points, so the line does
+    not swing with the noise of a few passes at one ``q`` (what fitting ``c0 + c1 q`` with one
+    ``q`` per batch did). ``c0, c1 >= 0``. A draft step: the median of the last ``window`` at the
+    current row count (every row drafts in every step). Selection: the median of the last ``window``.
+    """
+
+    def __init__(self, window: int = 16):
+        self.window = int(window)
+        self.t_plain: Optional[float] = None  # seconds of the latest plain steps (median)
+        self._plain: List[Tuple[int, float]] = []  # (rows, seconds) of unscored plain steps
+        self._verify: List[Tuple[int, float]] = []  # (tokens, seconds) of scored verification passes
+        self._draft: List[Tuple[int, float]] = []  # (rows, seconds of one draft step)
+        self._select: List[float] = []
+
+    def _push(self, xs: list, x) -> None:
+        xs.append(x)
+        del xs[: -self.window]
+
+    def observe(self, c: IterationCosts) -> None:
+        """Record one iteration (``c.tokens`` and ``c.rows`` must be given)."""
+        if c.tokens <= 0 or c.rows <= 0:
+            raise ValueError("TokenCostModel.observe: IterationCosts.tokens and .rows must be > 0")
+        if c.gamma == 0 and not c.scored:
+            self._push(self._plain, (c.rows, c.verify))
+            self.t_plain = _median([t for r, t in self._plain if r == c.rows])
+        else:
+            self._push(self._verify, (c.tokens, c.verify))
+        if c.gamma:
+            self._push(self._draft, (c.rows, c.draft / c.gamma))
+            if c.select > 0:
+                self._push(self._select, c.select)
+
+    def verify_fit(self) -> Tuple[float, float]:
+        """``(c0, c1)`` seconds of ``verify(n) = c0 + c1 n`` (``(0, 0)`` before any timing)."""
+        by_n: Dict[int, List[float]] = {}
+        for n, t in self._plain + self._verify:
+            by_n.setdefault(n, []).append(t)
+        pts = [(n, _median(v), len(v)) for n, v in by_n.items()]
+        if not pts:
+            return 0.0, 0.0
+        sw = sum(w for _, _, w in pts)
+        mn = sum(n * w for n, _, w in pts) / sw
+        mt = sum(t * w for _, t, w in pts) / sw
+        vn = sum(w * (n - mn) ** 2 for n, _, w in pts)
+        if vn <= 1e-12 * sw:  # one token count so far: all of it per token (drafting looks dear)
+            return 0.0, mt / mn
+        c1 = sum(w * (n - mn) * (t - mt) for n, t, w in pts) / vn
+        c0 = mt - c1 * mn
+        if c1 < 0:
+            return mt, 0.0
+        if c0 < 0:
+            return 0.0, sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts)
+        return c0, c1
+
+    def plain(self, rows: int) -> float:
+        """Seconds of a plain step of ``rows`` rows: its recent median, else the fitted line."""
+        seen = [t for r, t in self._plain if r == rows]
+        if seen:
+            return _median(seen)
+        c0, c1 = self.verify_fit()
+        return c0 + c1 * rows
+
+    def draft_step(self, rows: int) -> float:
+        """Seconds of one draft step of ``rows`` rows (0 before any was timed)."""
+        seen = [t for r, t in self._draft if r == rows] or [t * rows / r for r, t in self._draft]
+        return _median(seen, 0.0)
+
+    def iteration(self, gamma: int, tokens: int, rows: int) -> float:
+        """Predicted seconds of an iteration of ``gamma`` draft steps over ``rows`` rows verifying
+        ``tokens`` tokens (``gamma = 0``: a plain step)."""
+        if gamma == 0:
+            return self.plain(rows)
+        c0, c1 = self.verify_fit()
+        verify = max(c0 + c1 * tokens, self.plain(rows))  # more tokens than a plain step: never cheaper
+        return verify + gamma * self.draft_step(rows) + _median(self._select, 0.0)
+
+    def stats(self) -> dict:
+        """``cost_t_*_ms``: plain step, draft step, selection and the verify line (per token) in ms."""
+        c0, c1 = self.verify_fit()
+        return {
+            "cost_t_plain_ms": None if self.t_plain is None else 1000 * self.t_plain,
+            "cost_t_draft_ms": None if not self._draft else 1000 * _median([t for _, t in self._draft]),
+            "cost_t_select_ms": None if not self._select else 1000 * _median(self._select),
+            "cost_t_verify_c0_ms": 1000 * c0,
+            "cost_t_verify_per_token_ms": 1000 * c1,
+        }
+
+
+class RowGamma(AutoGamma):
+    """``auto`` with drafts per row (our loop's default): each row drafts its own ``g`` in
+    ``0..max_gamma`` from its own acceptance and the batch's measured costs.
+
+    Each row has an :class:`AcceptanceEstimate` whose prior is the rate pooled over the batch
+    (:attr:`acc`, so a row starts where its peers are). An iteration of ``G`` draft steps costs
+    ``G`` batch draft steps plus a verification priced per token (:class:`TokenCostModel`: rows'
+    tokens are packed, so a row verifying 2 tokens does not pay for one verifying 7). For every
+    ``G``, :func:`allocate_drafts` finds the drafts per row with the most expected tokens per
+    second; :class:`AutoGamma`'s rule (warm-up, margin over a plain step, upper-bound exploration,
+    probes) then chooses ``G`` on those rates. Lossless whatever it picks (choices depend on the
+    past only). Design and measurements: ``docs/gamma_policy.md``.
+    """
+
+    name = "auto"
+
+    def __init__(self, max_gamma: int, window: int = 16, **kwargs):
+        kwargs.pop("cost_ema", None)
+        super().__init__(max_gamma, window=window, **kwargs)
+        self.costs = TokenCostModel(window)
+        self.row_acc: List[AcceptanceEstimate] = []
+        self.row_choices = [0] * (self.max_gamma + 1)  # row-iterations per g
+        self._upper = False  # the current choice came from the upper-bound acceptance
+
+    def _rows(self, n: int) -> List[AcceptanceEstimate]:
+        while len(self.row_acc) < n:
+            self.row_acc.append(AcceptanceEstimate(self.max_gamma, self.acc.prior_acceptance, self.acc.prior_weight,
+                                                   self.acc.decay))
+        pooled = self.acc.pooled()
+        for r in self.row_acc:
+            r.prior_acceptance = pooled
+        return self.row_acc
+
+    def acceptance_upper(self):
+        """Per row, its optimistic estimates (``exploration`` standard errors above)."""
+        self._upper = True
+        return [r.upper(self.exploration) for r in self.row_acc]
+
+    def _marginal(self, caps: Tensor, acceptance) -> List[List[float]]:
+        rows = self._rows(caps.numel())
+        out = []
+        for b in range(caps.numel()):
+            if acceptance is None:
+                acc = rows[b].rates()
+            elif acceptance and isinstance(acceptance[0], list):
+                acc = acceptance[b] if b < len(acceptance) else rows[b].upper(self.exploration)
+            else:
+                acc = acceptance
+            p, m = 1.0, []
+            for a in acc:
+                p *= a
+                m.append(p)
+            out.append(m)
+        return out
+
+    def _allocate(self, g: int, caps: Tensor, acceptance=None) -> Tuple[float, List[int]]:
+        c = caps.tolist()
+        rows = sum(1 for x in c if x >= 0)
+        return allocate_drafts(self._marginal(caps, acceptance), c, g,
+                               lambda n: self.costs.iteration(g, n, rows))
+
+    def rate(self, g: int, caps: Tensor, acceptance=None, optimistic: bool = False) -> float:
+        """Expected emitted tokens per second of the best drafts per row with ``g`` draft steps."""
+        if g == 0:
+            rows = int((caps >= 0).sum())
+            return rows / max(self.costs.plain(rows), 1e-12)
+        return self._allocate(g, caps, acceptance)[0]
+
+    def choose_rows(self, caps: Tensor) -> Tensor:
+        self._rows(caps.numel())
+        self._upper = False
+        g = self.choose(caps, int(caps.max()))
+        if g == 0:
+            drafts = [0] * caps.numel()
+        else:
+            _, drafts = self._allocate(g, caps, self.acceptance_upper() if self._upper else None)
+            if not any(drafts):  # warm-up or a probe: every row drafts, to measure
+                drafts = caps.clamp(min=0, max=g).tolist()
+        for d, c in zip(drafts, caps.tolist()):
+            if c >= 0:
+                self.row_choices[d] += 1
+        return caps.new_tensor(drafts)
+
+    def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
+        self.costs.observe(costs)
+        if costs.gamma:
+            d, a = drafted.tolist(), accepted.tolist()
+            self.acc.observe(d, a)
+            for r, db, ab in zip(self._rows(len(d)), d, a):
+                if db > 0:
+                    r.observe([db], [ab])
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self.row_acc = [self.row_acc[i] for i in rows.tolist() if i < len(self.row_acc)]
+
+    def stats(self) -> dict:
+        """As :class:`AutoGamma`'s, with ``gamma_per_iteration`` the draft steps of every iteration,
+        ``row_gamma_histogram`` the row-iterations per drafts and the per-token verify cost."""
+        return {**super().stats(), "row_gamma_histogram": list(self.row_choices)}
+
+
 class PerRequestGamma:
     """``auto`` per request for a batched engine: each request its own ``g`` in ``0..cap``.
 
@@ -557,4 +808,4 @@ def make_gamma_policy(num_speculative_tokens: int, gamma_policy: str, *, per_req
         return PerRequestGamma(num_speculative_tokens) if gamma_policy == "auto" else None
     if num_speculative_tokens == 0 or gamma_policy != "auto":
         return FixedGamma(num_speculative_tokens)
-    return AutoGamma(num_speculative_tokens)
+    return RowGamma(num_speculative_tokens)

@@ -28,6 +28,9 @@ class DecodeStats:
             accepted and emitted draft ``j``; length = the largest ``gamma`` allowed.
         num_generated_tokens: new tokens, summed over rows (EOS included, padding not).
         num_iterations: draft-verify iterations after prefill.
+        num_verified_tokens: tokens through the verification forwards after prefill, summed over
+            rows (each row's last token plus the drafts it verified; with every row verifying the
+            same count, finished rows not yet dropped included).
         time_prefill_s, time_draft_s, time_verify_s, time_select_s: seconds per phase
             (verification includes acceptance and the cache commit).
         time_compact_s: seconds spent dropping finished rows from the batch (cache copies).
@@ -39,6 +42,7 @@ class DecodeStats:
     num_accepted_tokens_per_pos: List[int] = field(default_factory=list)
     num_generated_tokens: int = 0
     num_iterations: int = 0
+    num_verified_tokens: int = 0
     time_prefill_s: float = 0.0
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
