@@ -33,7 +33,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 __all__ = [
     "INT32_MAX", "INT64_MAX", "INT64_MIN", "SEED_MAX", "MAX_BATCH_SIZE", "MIN_TEMPERATURE",
     "ALGORITHMS", "VLLM_ALGORITHMS", "DEFAULT_BLOCK_SIZE", "SUPPORTED_MODEL_TYPES", "QUERY_WEIGHTS",
-    "DRAFT_WEIGHTS", "REFUSED_DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS", "OptionTypeError",
+    "DRAFT_WEIGHTS", "REFUSED_DRAFT_WEIGHTS", "DEVICE_DRAFT_WEIGHTS", "MODEL_DTYPES", "Option", "OPTIONS",
+    "OptionTypeError",
     "check_int", "check_float", "check_bool", "check_choice", "check_token_ids",
     "check_length", "check_speculation", "check_budget", "check_selection", "check_sampling",
     "check_generate_options", "check_seed", "check_draft_weights", "budget_blocks", "check_model_path",
@@ -68,6 +69,12 @@ DRAFT_GRANULARITIES: Tuple[str, ...] = ("page", "token")
 #: ``draft_weights``: the precision of the weights the draft steps read (``None``: the model's own).
 #: Only what is implemented: the lists shown in errors and ``--help`` come from here.
 DRAFT_WEIGHTS: Tuple[Optional[str], ...] = (None, "fp16", "int8")
+#: ``draft_weights`` values that run on some devices only: accepted by the option check (``generate``,
+#: HF ``generate``), refused with the reason where the draft copies are made on another device. Not in
+#: :data:`DRAFT_WEIGHTS`, whose lists (errors, the CLI's ``--help``, vLLM-CPU) offer what runs everywhere.
+DEVICE_DRAFT_WEIGHTS: Mapping[str, str] = {
+    "fp8": "CUDA GPUs of compute capability >= 8.9 (float8 e4m3 weights and activations through torch._scaled_mm)",
+}
 #: ``draft_weights`` values that were measured and rejected: value -> why (said when one is asked for).
 REFUSED_DRAFT_WEIGHTS: Mapping[str, str] = {
     "int4": ("4-bit weights (groups of 32) agreed with the fp32 model's next-token argmax on only 60-61 % of "
@@ -192,8 +199,12 @@ def _str_value(v: Any) -> Optional[str]:
 
 def check_draft_weights(v: Any, name: str = "draft_weights") -> Optional[str]:
     """``v`` if it is one of :data:`DRAFT_WEIGHTS`, else ``ValueError`` naming ``name`` and the
-    valid values (a value of :data:`REFUSED_DRAFT_WEIGHTS`, ``"int4"``, with the measured reason)."""
+    valid values (a value of :data:`REFUSED_DRAFT_WEIGHTS`, ``"int4"``, with the measured reason); a
+    value of :data:`DEVICE_DRAFT_WEIGHTS` (``"fp8"``) passes here and is checked against the model's
+    device when the copies are made (:mod:`vegas_ext.draft_weights`)."""
     sv = _str_value(v)
+    if sv in DEVICE_DRAFT_WEIGHTS and not isinstance(v, bool):
+        return sv
     if sv in REFUSED_DRAFT_WEIGHTS:
         raise ValueError(f"{name}={sv!r} is not supported: {REFUSED_DRAFT_WEIGHTS[sv]}")
     if isinstance(v, bool) or (v is not None and (sv is None or sv not in DRAFT_WEIGHTS)):

@@ -10,14 +10,22 @@ guess the target's next tokens, so its linears may read a copy of the weights in
   dimension, symmetric (``w ~= q * scale``, ``scale = max|w| / 127`` per group), 1.06 bytes per
   weight; agreement 96.9-97 %. Activations stay float32 and sums are float32 (weight-only: this
   model's activation outliers make activation quantization unusable, 34-40 % agreement).
+* ``"fp8"`` (CUDA only, compute capability >= 8.9): float8 e4m3 with one float32 scale per output
+  channel (``scale = max|w| / 448`` per row), 1 byte per weight; the draft linear quantizes its
+  activations per row on the fly and runs ``torch._scaled_mm`` (cuBLASLt / CUTLASS), so the weight is
+  read once, in 1 byte. Refused elsewhere (``ValueError`` naming ``draft_weights``).
 * ``"int4"`` is refused: groups of 32 agreed on only 53-71 % of positions on SmolLM2-135M (three
   documents; 60-61 % in issue 33), too few accepted drafts to pay for the verification; nothing
   implements it.
 
 The verification and plain steps keep the model's own weights, so the output is exactly plain
 decoding's (greedy: token for token; sampling: the target distribution, with ``q`` from the
-low-precision draft). On CPU the copies run through :func:`vegas_ext.ops.weight_only_linear`; on
-CUDA both options map to a float16 copy through ``F.linear`` (no new kernel there).
+low-precision draft). On CPU the copies run through :func:`vegas_ext.ops.weight_only_linear`. On
+CUDA (no kernel of this extension; PyTorch's own ops): ``"fp16"`` is a float16 copy through
+``F.linear`` (16-bit models get none: no smaller); ``"int8"`` is int8 with one float32 scale per
+output channel through ``torch._weight_int8pack_mm`` (PyTorch's fused weight-only kernel takes
+per-channel scales only; 1 byte per weight); ``"fp8"`` as above. A CUDA linear that ``"fp8"``
+cannot take (N or K not a multiple of 16, ``torch._scaled_mm``'s rule) gets the ``"fp16"`` fallback.
 
 Mechanics: every ``nn.Linear`` of the model (including :class:`~vegas_ext.packed_linear.PackedLinear`
 and the output layer) gets a low-precision copy, made once and cached beside the model
@@ -48,8 +56,9 @@ from . import model_state, ops as _ops  # ops: loads the compiled torch.ops.vega
 from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
-__all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "DraftWeights", "check_draft_weights", "draft_weights_for",
-           "quantize_int8", "weight_copy", "cached_draft_weights", "own_forward"]
+__all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "FP8_MAX", "DraftWeights", "check_draft_weights", "draft_weights_for",
+           "quantize_int8", "quantize_fp8", "quantize_fp8_rows", "int8_channel_linear", "fp8_linear",
+           "fp8_unsupported", "weight_copy", "cached_draft_weights", "own_forward"]
 
 #: Weights per int8 scale along the input dimension (a multiple of 16, the kernel's vector).
 INT8_GROUP_SIZE = 64
@@ -60,6 +69,9 @@ _INSTALL_LOCK = threading.Lock()
 #: class -> (number of installed() users, the class's own ``forward`` before wrapping)
 _INSTALLED: Dict[type, Tuple[int, object]] = {}
 _CPU_KERNEL = _ops.has_compiled_kernel("weight_only_linear", "cpu")
+#: The largest finite float8 e4m3fn value (448): a per-channel / per-row scale maps max|w| onto it.
+FP8_MAX = 448.0
+_FP8 = torch.float8_e4m3fn
 
 
 def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Tensor, Tensor]:
@@ -89,11 +101,115 @@ def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Te
     return q.contiguous(), scales.contiguous()
 
 
+def quantize_fp8(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """Symmetric float8 e4m3 weight quantization with one scale per output channel (row).
+
+    Args:
+        weight: ``[N, K]`` floating point (any device).
+
+    Returns:
+        ``(q [N, K] float8_e4m3fn, scales [N] float32)`` with ``weight ~= q.float() * scales[:, None]``,
+        ``scales = max|w| / FP8_MAX`` per row (an all-zero row gets scale 0). Round to nearest:
+        ``|w - q * s| <= 2**-4 * |w|`` for ``|w| >= 2**-6 * s`` (3 mantissa bits), else
+        ``<= 2**-10 * s`` (subnormals). ``ValueError`` names ``weight`` when it is not 2-D floating point.
+    """
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a 2-D floating-point tensor [N, K], got "
+                         f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+    w = weight.detach().float()
+    scales = w.abs().amax(1) / FP8_MAX
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    # |w * inv| <= 448 up to one fp32 rounding, which e4m3 rounds back to 448: no clamp needed
+    return (w * inv[:, None]).to(_FP8).contiguous(), scales.contiguous()
+
+
+def quantize_fp8_rows(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """Dynamic per-row float8 e4m3 quantization of activations, for :func:`fp8_linear`.
+
+    Args:
+        x: ``[M, K]`` floating point.
+
+    Returns:
+        ``(q [M, K] float8_e4m3fn, scales [M, 1] float32)``, ``x ~= q.float() * scales``; a zero row
+        gets a tiny positive scale (``torch._scaled_mm`` multiplies by it: 0 stays 0).
+    """
+    s = x.abs().amax(-1, keepdim=True).float().clamp_(min=1e-30).div_(FP8_MAX)
+    return (x / s).to(_FP8), s
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """``x @ dequant(weight).T`` through ``torch._scaled_mm`` with row-wise scales on both sides.
+
+    The activations are quantized per row (:func:`quantize_fp8_rows`): ``torch._scaled_mm`` takes
+    float8 on both sides, and its row-wise kernels read the weight once in 1 byte; a weight-only
+    float8 matmul would first dequantize the weight (1 byte read, 2 written, 2 read again).
+
+    Args:
+        x: ``[M, K]`` floating point; weight: ``[N, K]`` float8_e4m3fn, row-major (:func:`quantize_fp8`);
+        scales: ``[N]`` float32. CUDA: compute capability >= 8.9, ``K`` and ``N`` multiples of 16.
+
+    Returns:
+        ``[M, N]`` bfloat16 (the output type every row-wise ``torch._scaled_mm`` path takes).
+    """
+    xq, xs = quantize_fp8_rows(x)
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def int8_channel_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """``x @ (weight * scales[:, None]).T`` through PyTorch's fused ``torch._weight_int8pack_mm``.
+
+    Args:
+        x: ``[M, K]`` floating point; weight: ``[N, K]`` int8 (:func:`quantize_int8` with
+        ``group_size=K``); scales: ``[N]`` float32.
+
+    Returns:
+        ``[M, N]`` float32 (the CUDA kernel computes in float32 whatever ``x`` is; float32 in
+        keeps the scales' dtype equal to ``x``'s, which the CPU kernel requires).
+    """
+    return torch._weight_int8pack_mm(x.float().contiguous(), weight, scales)
+
+
+def fp8_unsupported(device) -> Optional[str]:
+    """Why ``draft_weights="fp8"`` cannot run on ``device`` (a ``torch.device`` or string), or ``None``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the model's linears are on {device.type}"
+    if torch.version.hip is not None:
+        return "ROCm uses other float8 types (e4m3fnuz); not implemented there"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return f"{torch.cuda.get_device_name(device)} is compute capability {cap[0]}.{cap[1]}"
+    return None
+
+
+def _copy_mode(w: Tensor, kind: str) -> Optional[str]:
+    """How a linear with weight ``w`` computes its draft copy of ``kind``: ``"cpu"`` (the vegas
+    op: fp16, or int8 in groups of 64), ``"fp16"`` (CUDA float16 ``F.linear``), ``"int8"``
+    (CUDA per-channel int8, :func:`int8_channel_linear`), ``"fp8"`` (CUDA, :func:`fp8_linear`),
+    or ``None``: no copy (16-bit CUDA weights under ``"fp16"``: not smaller)."""
+    if w.device.type != "cuda":
+        return "cpu"
+    if kind == "fp8" and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+        return "fp8"
+    if kind == "int8":
+        return "int8"
+    return None if w.element_size() <= 2 else "fp16"  # fp16 and the fallback of fp8's odd shapes
+
+
+#: Copy mode -> what ``DraftWeights.format`` reports for it.
+_FORMATS = {"cpu-fp16": "fp16", "cpu-int8": f"int8-g{INT8_GROUP_SIZE}", "fp16": "fp16",
+            "int8": "int8-per-channel", "fp8": "fp8-e4m3-per-channel"}
+
+
 def weight_copy(weight: Tensor, kind: str) -> Tuple[Tensor, Optional[Tensor]]:
     """The CPU draft copy of a linear's ``[N, K]`` weight for :func:`vegas_ext.ops.weight_only_linear`:
     ``(int8 weight, float32 scales)`` for ``"int8"`` (:func:`quantize_int8`, groups of
-    :data:`INT8_GROUP_SIZE`), ``(float16 weight, None)`` for ``"fp16"``."""
+    :data:`INT8_GROUP_SIZE`), ``(float16 weight, None)`` for ``"fp16"``; ``ValueError`` naming
+    ``draft_weights`` for ``"fp8"`` (CUDA only)."""
     w = weight.detach()
+    if kind == "fp8":
+        raise ValueError("draft_weights='fp8' needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls "
+                         "through torch._scaled_mm); on CPU use 'int8' or 'fp16'")
     if kind == "fp16":
         return w.to(torch.float16).contiguous(), None
     return quantize_int8(w, INT8_GROUP_SIZE)
@@ -109,19 +225,26 @@ class _Copy:
     It keeps references to the source tensors, so that "the same object, same version counter and
     storage address" identifies unchanged sources (a held tensor's address cannot be reused)."""
 
-    __slots__ = ("src", "key", "weight", "scales", "bias", "nbytes")
+    __slots__ = ("src", "key", "mode", "weight", "scales", "bias", "nbytes")
 
     def __init__(self, mod: nn.Module, kind: str):
         w, b = mod.weight.detach(), None if mod.bias is None else mod.bias.detach()
         self.src = (mod.weight, mod.bias)
         self.key = (_version_key(mod.weight), _version_key(mod.bias))
         self.scales = None
-        if w.device.type == "cuda":  # CUDA: a float16 copy through F.linear, whatever the kind
-            self.weight = w.to(torch.float16).contiguous()
-            self.bias = None if b is None else b.to(torch.float16)
-        else:
+        self.mode = _copy_mode(w, kind)
+        if self.mode == "cpu":
             self.weight, self.scales = weight_copy(w, kind)
             self.bias = None if b is None else b.float().contiguous()
+        elif self.mode == "fp16":
+            self.weight = w.to(torch.float16).contiguous()
+            self.bias = None if b is None else b.to(torch.float16)
+        elif self.mode == "int8":
+            q, s = quantize_int8(w, w.shape[1])  # one group per row: per-channel, the fused kernel's layout
+            self.weight, self.scales, self.bias = q, s.view(-1).contiguous(), b
+        else:  # fp8; the bias is added in the model's dtype after the matmul
+            self.weight, self.scales = quantize_fp8(w)
+            self.bias = b
         own_bias = self.bias is not None and (b is None or self.bias.data_ptr() != b.data_ptr())
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.weight, self.scales) if t is not None)
         self.nbytes += self.bias.numel() * self.bias.element_size() if own_bias else 0
@@ -147,7 +270,7 @@ class _Fused:
     @classmethod
     def make(cls, dw: "DraftWeights", members) -> Optional["_Fused"]:
         copies = [dw._copies.get(id(m)) for m in members]
-        if any(c is None or c.weight.device.type != "cpu" for c in copies):
+        if any(c is None or c.mode != "cpu" or c.weight.device.type != "cpu" for c in copies):
             return None
         ref = copies[0]
         if any(c.weight.dtype != ref.weight.dtype or c.weight.shape[1] != ref.weight.shape[1]
@@ -186,16 +309,24 @@ class DraftWeights:
     linears compute with the model's own weights, bit for bit as without this object.
 
     Attributes:
-        kind: ``"fp16"`` or ``"int8"`` (as asked); ``format``: what the copies hold on this device
-            (``"fp16"``, ``"int8-g64"``; CUDA: ``"fp16"`` for both kinds).
+        kind: ``"fp16"``, ``"int8"`` or ``"fp8"`` (as asked); ``format``: what the copies hold
+            (``"fp16"``, ``"int8-g64"`` on CPU, ``"int8-per-channel"`` and ``"fp8-e4m3-per-channel"``
+            on CUDA; formats joined by ``" + "`` where linears differ, e.g. fp8 with its fp16 fallback).
         nbytes: bytes held by the copies (weights, scales, biases that are copies).
         build_s: seconds spent converting weights by the latest :meth:`refresh`.
     """
 
     def __init__(self, model: nn.Module, kind: str):
-        if kind not in ("fp16", "int8"):  # checked by the caller's options (draft_weights_for, generate)
-            raise ValueError(f"draft_weights: a DraftWeights needs 'fp16' or 'int8', got {kind!r}")
+        if kind not in ("fp16", "int8", "fp8"):  # checked by the caller's options (draft_weights_for, generate)
+            raise ValueError(f"draft_weights: a DraftWeights needs 'fp16', 'int8' or 'fp8', got {kind!r}")
         self.kind = kind
+        if kind == "fp8":  # before converting anything: refused on CPU and pre-Ada GPUs
+            for dev in sorted({str(m.weight.device) for m in _all_linears(model)}):
+                why = fp8_unsupported(dev)
+                if why is not None:
+                    raise ValueError(f"draft_weights='fp8' needs every linear on a CUDA GPU of compute capability "
+                                     f">= 8.9 (float8 e4m3 matmuls through torch._scaled_mm), but {why}: "
+                                     f"use 'int8' or 'fp16'")
         self._model_ref = weakref.ref(model)  # weak: this object is cached beside the model (model_state)
         self._copies: Dict[int, _Copy] = {}
         self._fused: Dict[tuple, _Fused] = {}
@@ -207,17 +338,10 @@ class DraftWeights:
         """The modules whose forwards take the copy: every ``nn.Linear`` and ``PackedLinear``
         with a 2-D floating-point weight (each module once), except those whose weight is on the
         meta device (offloaded by accelerate, whose hooks load it in the module's own forward) and
-        16-bit CUDA weights (a CUDA copy is float16: no smaller)."""
-        from .packed_linear import PackedLinear
-
-        seen = set()
+        16-bit CUDA weights where the copy would be float16 (``"fp16"``, ``"fp8"``'s fallback: no smaller)."""
         model = self._model_ref()
-        for m in (() if model is None else model.modules()):
-            if (isinstance(m, (nn.Linear, PackedLinear)) and id(m) not in seen
-                    and isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2
-                    and m.weight.is_floating_point() and not m.weight.is_meta
-                    and not (m.weight.is_cuda and m.weight.element_size() <= 2)):
-                seen.add(id(m))
+        for m in (() if model is None else _all_linears(model)):
+            if _copy_mode(m.weight, self.kind) is not None:
                 yield m
 
     def refresh(self) -> int:
@@ -276,16 +400,16 @@ class DraftWeights:
 
     @property
     def format(self) -> str:
-        devs = {c.weight.device.type for c in self._copies.values()}
-        if self.kind == "fp16" or devs == {"cuda"}:
-            return "fp16"
-        return f"int8-g{INT8_GROUP_SIZE}" if devs == {"cpu"} else f"int8-g{INT8_GROUP_SIZE} (cpu) / fp16 (cuda)"
+        modes = {f"cpu-{self.kind}" if c.mode == "cpu" else c.mode for c in self._copies.values()}
+        return " + ".join(sorted({_FORMATS[m] for m in modes})) or "none"
 
     def copy_of(self, mod: nn.Module) -> Optional["_Copy"]:
         """The current low-precision copy of ``mod``'s weight (remade first if its weight or bias
-        changed since), or ``None`` for a module without one. Attributes: ``weight`` (the copy,
-        ``[N, K]``: float16, or int8 with ``scales`` ``[N, K / INT8_GROUP_SIZE]`` float32) and
-        ``bias`` (float32 on CPU, or ``None``)."""
+        changed since), or ``None`` for a module without one. Attributes: ``mode`` (``"cpu"``,
+        ``"fp16"``, ``"int8"``, ``"fp8"``: see :func:`_copy_mode`), ``weight`` (the copy, ``[N, K]``:
+        float16; int8 with ``scales`` ``[N, ceil(K / INT8_GROUP_SIZE)]`` float32 on CPU or ``[N]``
+        float32 on CUDA; float8_e4m3fn with ``scales`` ``[N]`` float32) and ``bias`` (float32 on
+        CPU, float16 for ``"fp16"`` on CUDA, the module's own for CUDA int8 / fp8, or ``None``)."""
         c = self._copies.get(id(mod))
         if c is not None and not c.fresh(mod):
             with torch.no_grad():
@@ -298,8 +422,8 @@ class DraftWeights:
         c = self.copy_of(mod)  # remade if edited or replaced since
         if c is None:
             return own_forward(mod, x)
-        if c.weight.device.type == "cuda":
-            return F.linear(x.to(torch.float16), c.weight, c.bias).to(x.dtype)
+        if c.mode != "cpu":
+            return _device_linear(c, x)
         xf = x if x.dtype == torch.float32 else x.float()
         # the op straight (one draft step makes ~200 of these calls); the checked reference without a build
         fn = torch.ops.vegas.weight_only_linear.default if _CPU_KERNEL else _ops.weight_only_linear
@@ -343,6 +467,31 @@ class DraftWeights:
             _ACTIVE.reset(token)
 
 
+def _device_linear(c: "_Copy", x: Tensor) -> Tensor:
+    """``x [..., K] -> [..., N]`` in ``x``'s dtype through the CUDA copy ``c`` (mode fp16 / int8 / fp8)."""
+    if c.mode == "fp16":
+        return F.linear(x.to(torch.float16), c.weight, c.bias).to(x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = (int8_channel_linear if c.mode == "int8" else fp8_linear)(x2, c.weight, c.scales).to(x.dtype)
+    if c.bias is not None:
+        y = y + c.bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _all_linears(model: nn.Module):
+    """``model``'s ``nn.Linear`` / ``PackedLinear`` modules with a 2-D floating-point weight not on
+    the meta device (offloaded by accelerate: its hooks load the weight in the module's own forward)."""
+    from .packed_linear import PackedLinear
+
+    seen = set()
+    for m in model.modules():
+        if (isinstance(m, (nn.Linear, PackedLinear)) and id(m) not in seen
+                and isinstance(getattr(m, "weight", None), Tensor) and m.weight.dim() == 2
+                and m.weight.is_floating_point() and not m.weight.is_meta):
+            seen.add(id(m))
+            yield m
+
+
 def _forward_owner(cls: type) -> type:
     """The class in ``cls``'s MRO that defines ``forward``."""
     return next(k for k in cls.__mro__ if "forward" in k.__dict__)
@@ -379,8 +528,9 @@ def draft_weights_for(model: nn.Module, draft_weights) -> Optional[DraftWeights]
 
 
 def cached_draft_weights(model: nn.Module, kind: str) -> DraftWeights:
-    """:func:`draft_weights_for` without checking ``kind`` (``"fp16"`` / ``"int8"``, validated
-    with the call's options): the cached copies, made or refreshed."""
+    """:func:`draft_weights_for` without checking ``kind`` (``"fp16"`` / ``"int8"`` / ``"fp8"``,
+    validated with the call's options): the cached copies, made or refreshed. ``ValueError`` naming
+    ``draft_weights`` for ``"fp8"`` where a linear is not on a CUDA GPU of compute capability >= 8.9."""
     cached = model_state.get(model, "draft_weights")
     if cached is not None and cached.kind == kind:
         cached.refresh()
