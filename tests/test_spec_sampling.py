@@ -228,7 +228,7 @@ def test_sampling_is_reproducible_with_a_generator():
     assert not torch.equal(a, c)
 
 
-class _AutoCheapDrafts(speculation.AutoGamma):
+class _AutoCheapDrafts(speculation.RowGamma):
     """``"auto"`` fed synthetic costs under which speculation pays, and no plain warm-up step:
     it drafts whenever a row may still emit a draft, as many as its acceptance estimates favour."""
 
@@ -239,8 +239,9 @@ class _AutoCheapDrafts(speculation.AutoGamma):
 
     def observe_iteration(self, costs, drafted, accepted):
         g = costs.gamma
-        super().observe_iteration(type(costs)(g, 0.01 * g, 1.0 + 0.01 * (g + 1), 0.001 if g else 0.0,
-                                              scored=costs.scored), drafted, accepted)
+        super().observe_iteration(type(costs)(g, 0.01 * g, 1.0 + 0.001 * costs.tokens, 0.001 if g else 0.0,
+                                              scored=costs.scored, tokens=costs.tokens, rows=costs.rows),
+                                  drafted, accepted)
 
 
 @pytest.mark.parametrize("policy", ["measured", "cheap_drafts"])
@@ -248,7 +249,7 @@ def test_generate_sampling_with_auto_gamma_matches_target_distribution(policy, m
     """``num_speculative_tokens="auto"`` chooses gamma from past acceptance and timings only, so
     the sampled tokens keep the target distribution whatever it picks."""
     if policy == "cheap_drafts":
-        monkeypatch.setattr(speculation, "AutoGamma", _AutoCheapDrafts)
+        monkeypatch.setattr(speculation, "RowGamma", _AutoCheapDrafts)
     model = _small_model()
     prompt = torch.randint(0, V_SMALL, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     joint = _exact_joint(model, prompt, make_warpers(0.8, 4, 0.9))
@@ -260,6 +261,39 @@ def test_generate_sampling_with_auto_gamma_matches_target_distribution(policy, m
     )
     s = out.stats
     assert s["gamma_policy"] == "auto" and max(s["gamma_per_iteration"]) >= 1
+    assert 0.05 < s["draft_acceptance_rate"] < 0.95, s["draft_acceptance_rate"]
+    new = out.sequences[:, PROMPT:]
+    counts = torch.bincount((new * torch.tensor([V_SMALL**2, V_SMALL, 1])).sum(1), minlength=V_SMALL**K_NEW)
+    pv = chi2_pvalue(counts, joint)
+    assert pv > P_MIN, f"chi-square p-value {pv:.2e}"
+
+
+class _RaggedDrafts(speculation.GammaPolicy):
+    """Every row its own number of drafts, 0 included (row ``b`` drafts ``b % 4``, cut to its cap):
+    the rows' tokens are packed in every verification."""
+
+    name = "ragged"
+
+    def choose_rows(self, caps):
+        g = torch.arange(caps.numel()) % (self.max_gamma + 1)
+        self.history.append(int(g.max()))
+        return torch.minimum(g, caps.clamp(min=0))
+
+
+def test_generate_sampling_with_ragged_drafts_matches_target_distribution(monkeypatch):
+    """Rows verifying different numbers of drafts (their tokens packed into one verification)
+    keep the target distribution: a row past its own drafts takes its bonus token from the target."""
+    monkeypatch.setattr(decode, "make_gamma_policy", lambda cap, policy, **kw: _RaggedDrafts(cap))
+    model = _small_model()
+    prompt = torch.randint(0, V_SMALL, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    joint = _exact_joint(model, prompt, make_warpers())
+    out = vegas_ext.generate(
+        model, prompt.expand(N_ROWS, -1), max_new_tokens=K_NEW, num_speculative_tokens=3, gamma_policy="fixed",
+        sparse_attn_ratio=0.01, sparse_attn_min_tokens=0, block_size=4, do_sample=True, eos_token_id=[],
+        generator=torch.Generator().manual_seed(4),
+    )
+    s = out.stats
+    assert s["num_verified_tokens"] < N_ROWS * (3 + 1) * s["num_iterations"]  # packed: rows verified their own
     assert 0.05 < s["draft_acceptance_rate"] < 0.95, s["draft_acceptance_rate"]
     new = out.sequences[:, PROMPT:]
     counts = torch.bincount((new * torch.tensor([V_SMALL**2, V_SMALL, 1])).sum(1), minlength=V_SMALL**K_NEW)
