@@ -85,7 +85,8 @@ def test_lean_draft_computes_the_models_draft(family, kind):
 def test_decoding_with_the_lean_draft_is_plain_greedy(family, kind, monkeypatch):
     calls = []
     real = draft_forward.LeanDraft.__call__
-    monkeypatch.setattr(draft_forward.LeanDraft, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(draft_forward.LeanDraft, "__call__",
+                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     model = make_model(family, seed=11)
     ids, mask = make_prompts(model.config.vocab_size, [50, 37], seed=12)
     ref = hf_greedy(model, ids, mask, 24, eos_token_id=[])

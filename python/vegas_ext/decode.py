@@ -28,7 +28,7 @@ import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -312,34 +312,60 @@ def select(state: DecodeState) -> None:
     state.selected = True
 
 
-def draft(state: DecodeState, g: int):
-    """``g`` draft steps, each one token per row through the sparse draft attention.
+def draft(state: DecodeState, g: int, num_drafts: Optional[Tensor] = None):
+    """``g`` draft steps, each one token per row through the sparse draft attention; with
+    ``num_drafts`` (``[B]``) step ``j`` drafts only the decoding rows with ``num_drafts > j`` where
+    the lean draft forward allows it (:func:`_subset_drafts`), else every row.
 
-    Returns ``(drafts [B, g] int64, q [B, g, V] float32 or None)``: the draft tokens and, when
-    sampling, the warped distributions they were drawn from."""
+    Returns ``(drafts [B, g] int64, q [B, g, V] float32 or None, steps)``: the draft tokens (a
+    row's past its own ``num_drafts`` are 0), when sampling the warped distributions they were drawn
+    from, and per step ``(rows drafted, seconds)``."""
     cfg = state.settings
     B = state.last_tok.shape[0]
     device = state.last_tok.device
-    drafts = torch.empty((B, g), dtype=torch.long, device=device)
+    drafts = torch.zeros((B, g), dtype=torch.long, device=device)
     q = None
     if g and cfg.do_sample:
-        q = torch.empty((B, g, cfg.model.config.vocab_size), dtype=torch.float32, device=device)
+        q = torch.zeros((B, g, cfg.model.config.vocab_size), dtype=torch.float32, device=device)
+    steps: List[Tuple[int, float]] = []
     if not g:
-        return drafts, q
+        return drafts, q, steps
     state.attn.mode = "draft"
     lengths = state.cache.lengths.long()
-    tok = state.last_tok
+    tok = state.last_tok.clone()
     lowp = cfg.draft_weights.active() if cfg.draft_weights is not None else contextlib.nullcontext()
     forward = _draft_forward(state)
     with lowp:  # the draft's linears on the low-precision copy; verification keeps the model's own
+        subsets = num_drafts is not None and _subset_drafts(state)
+        want = None if num_drafts is None else torch.where(state.done, 0, num_drafts)
         for j in range(g):
+            t0 = time.perf_counter()
             state.cache.begin_forward(1, offset=j)
-            lg = forward(tok[:, None], (lengths + j).clamp(max=cfg.max_pos - 1)[:, None])
-            tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j])[:, -1])
-            if q is not None:
-                q[:, j] = qj
-            drafts[:, j] = tok
-    return drafts, q
+            pos = (lengths + j).clamp(max=cfg.max_pos - 1)[:, None]
+            rows = (want > j).nonzero()[:, 0] if subsets else None
+            if rows is not None and rows.numel() < B:
+                lg = cfg.lean_draft(tok[rows, None], pos[rows], state.attn, rows=rows)
+                t, qj = state.sample_or_argmax(lg[:, -1])
+                tok[rows] = t
+                drafts[rows, j] = t
+                if q is not None:
+                    q[rows, j] = qj
+            else:
+                lg = forward(tok[:, None], pos)
+                tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j])[:, -1])
+                drafts[:, j] = tok
+                if q is not None:
+                    q[:, j] = qj
+            steps.append((B if rows is None else rows.numel(), time.perf_counter() - t0))
+    return drafts, q, steps
+
+
+def _subset_drafts(state: DecodeState) -> bool:
+    """Whether a draft step can run on some rows only: the lean draft forward on CPU, no
+    ``draft_hook`` (Quest scores every row's blocks per step) and no logits processor (it sees the
+    whole batch)."""
+    cfg = state.settings
+    return bool(cfg.lean_draft) and state.attn.draft_hook is None and cfg.logits_processor is None
 
 
 def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
@@ -506,7 +532,7 @@ def iteration(state: DecodeState, num_drafts: Tensor, score: bool = True) -> Opt
         t_sel = time.perf_counter() - t0
     stats.num_iterations += 1
     t1 = time.perf_counter()
-    drafts, q = draft(state, g)
+    drafts, q, steps = draft(state, g, num_drafts)
     if g:
         cfg.sync()
     t2 = time.perf_counter()
@@ -518,8 +544,10 @@ def iteration(state: DecodeState, num_drafts: Tensor, score: bool = True) -> Opt
     stats.time_draft_s += t2 - t1
     stats.time_verify_s += t3 - t2
     stats.num_verified_tokens += tokens
+    subsets = bool(g) and _subset_drafts(state)  # per-step timings are host times: CPU only
     cfg.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score, tokens=tokens,
-                                                rows=drafts.shape[0]), drafted, matched)
+                                                rows=drafts.shape[0], draft_steps=steps if subsets else None),
+                                 drafted, matched)
     if cfg.compact and bool(state.done.any()) and not bool(state.done.all()):
         keep = drop_finished_rows(state)
         cfg.sync()

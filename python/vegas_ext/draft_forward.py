@@ -129,6 +129,12 @@ class LeanDraft:
     ``state.cache.begin_forward(Q, ...)`` done; returns the logits of the last position,
     ``[B, 1, V]`` float32, and writes each layer's K/V of the new tokens into the cache (the
     state's ``write_hook`` and ``draft_hook`` are honoured per layer as the attention wrapper does).
+
+    ``lean(ids, pos, state, rows=rows)`` (``rows`` ``[R]`` int64 batch rows, ascending; ``Q = 1``,
+    no ``draft_hook``) drafts those rows only: ``ids`` / ``pos`` ``[R, 1]``, logits ``[R, 1, V]``.
+    The linears -- most of a draft step's work at a few rows -- run on the ``R`` rows; RoPE, the K/V
+    write and the sparse attention run on the whole batch (the other rows' inputs are zeros: what
+    they write lies past their verified tokens, rewritten before it is read).
     """
 
     def __init__(self, model: nn.Module, dw, layers: List[_Layer], heads: Tuple[int, int, int]):
@@ -141,12 +147,16 @@ class LeanDraft:
         self.hq, self.hkv, self.d = heads
         self.hidden = model.config.hidden_size
 
-    def __call__(self, ids: Tensor, pos: Tensor, state) -> Tensor:
+    def __call__(self, ids: Tensor, pos: Tensor, state, rows: Optional[Tensor] = None) -> Tensor:
         cache = state.cache
         B, Q = ids.shape
         hq, d = self.hq, self.d
         x = self.embed(ids)  # a new tensor: the residual stream is updated in place below
         cos, sin = self.rotary(x, pos)  # [B, Q, D]: the model's own rotation (RoPE type, scaling)
+        if rows is not None:
+            if state.draft_hook is not None or Q != 1:
+                raise ValueError("LeanDraft: rows= needs one token per row and no draft_hook")
+            return self._rows(x, cos, sin, state, rows)
         write_pos, seq_lens, tail, bs = cache._write_pos, cache.seq_lens, state.tail_start, state.block_size
         write_hook, draft_hook = state.write_hook, state.draft_hook
         indices = state.block_indices.unbind(0) if draft_hook is None else None  # one call, not one per layer
@@ -168,6 +178,39 @@ class LeanDraft:
             delta = L.down(L.act(h))
         x = x[:, -1:]
         return self.lm_head(norm(x.contiguous(), delta[:, -1:], self.norm[0], self.norm[1]))
+
+
+    def _rows(self, x: Tensor, cos: Tensor, sin: Tensor, state, rows: Tensor) -> Tensor:
+        """The draft step of the batch rows ``rows`` only (see the class docstring): ``x``, ``cos``,
+        ``sin`` ``[R, 1, .]`` of those rows; returns their logits ``[R, 1, V]``."""
+        cache = state.cache
+        R, B = x.shape[0], cache.lengths.shape[0]
+        hq, hkv, d = self.hq, self.hkv, self.d
+        write_pos, seq_lens, tail, bs = cache._write_pos, cache.seq_lens, state.tail_start, state.block_size
+        write_hook = state.write_hook
+        cos_b = cos.new_zeros((B,) + cos.shape[1:]).index_copy_(0, rows, cos)
+        sin_b = sin.new_zeros((B,) + sin.shape[1:]).index_copy_(0, rows, sin)
+        qb, kb, vb = (x.new_zeros((B, 1, h, d)) for h in (hq, hkv, hkv))  # other rows: zeros
+        indices = state.block_indices.unbind(0)
+        norm, rope_kv, attend = _ADD_RMS_NORM, _ROPE_KV_WRITE, _ATTEND
+        delta = None
+        for i, L in enumerate(self.layers):
+            h = norm(x, delta, L.n1[0], L.n1[1])
+            q, k, v = L.qkv(h)
+            if L.qn is not None:
+                q, k = norm(q.contiguous(), None, L.qn[0], L.qn[1]), norm(k.contiguous(), None, L.kn[0], L.kn[1])
+            qb.index_copy_(0, rows, q)
+            kb.index_copy_(0, rows, k)
+            vb.index_copy_(0, rows, v)
+            cl = cache.layers[i]
+            keys, values = cl.keys, cl.values
+            qr = rope_kv(qb, kb, vb, cos_b, sin_b, keys, values, write_pos)
+            if write_hook is not None:
+                write_hook(i, keys, seq_lens - 1)
+            o = attend(qr, keys, values, indices[i], tail, seq_lens, bs, L.scaling).index_select(0, rows)
+            h = norm(x, L.o(o.view(R, 1, hq * d)), L.n2[0], L.n2[1])
+            delta = L.down(L.act(h))
+        return self.lm_head(norm(x, delta, self.norm[0], self.norm[1]))
 
 
 def lean_draft(model: nn.Module, dw=None) -> Optional[LeanDraft]:

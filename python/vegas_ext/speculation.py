@@ -39,6 +39,8 @@ class IterationCosts:
     scored: bool = True
     tokens: int = 0  # tokens through the verification forward (sum over rows of g_b + 1); 0: not given
     rows: int = 0  # rows in the batch's forwards; 0: not given
+    # per draft step (rows it drafted, seconds) where a step may draft some rows only; else None
+    draft_steps: Optional[List[Tuple[int, float]]] = None
 
 
 class GammaPolicy:
@@ -495,6 +497,7 @@ class TokenCostModel:
         self._verify: List[Tuple[int, float]] = []  # (tokens, seconds) of scored verification passes
         self._draft: List[Tuple[int, float]] = []  # (rows, seconds of one draft step)
         self._select: List[float] = []
+        self.subsets = False  # whether the latest drafts could run on some rows only
 
     def _push(self, xs: list, x) -> None:
         xs.append(x)
@@ -510,31 +513,19 @@ class TokenCostModel:
         else:
             self._push(self._verify, (c.tokens, c.verify))
         if c.gamma:
-            self._push(self._draft, (c.rows, c.draft / c.gamma))
+            self.subsets = c.draft_steps is not None
+            for r, t in (c.draft_steps or [(c.rows, c.draft / c.gamma)]):
+                self._push(self._draft, (r, t))
             if c.select > 0:
                 self._push(self._select, c.select)
 
     def verify_fit(self) -> Tuple[float, float]:
         """``(c0, c1)`` seconds of ``verify(n) = c0 + c1 n`` (``(0, 0)`` before any timing)."""
-        by_n: Dict[int, List[float]] = {}
-        for n, t in self._plain + self._verify:
-            by_n.setdefault(n, []).append(t)
-        pts = [(n, _median(v), len(v)) for n, v in by_n.items()]
-        if not pts:
-            return 0.0, 0.0
-        sw = sum(w for _, _, w in pts)
-        mn = sum(n * w for n, _, w in pts) / sw
-        mt = sum(t * w for _, t, w in pts) / sw
-        vn = sum(w * (n - mn) ** 2 for n, _, w in pts)
-        if vn <= 1e-12 * sw:  # one token count so far: all of it per token (drafting looks dear)
-            return 0.0, mt / mn
-        c1 = sum(w * (n - mn) * (t - mt) for n, t, w in pts) / vn
-        c0 = mt - c1 * mn
-        if c1 < 0:
-            return mt, 0.0
-        if c0 < 0:
-            return 0.0, sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts)
-        return c0, c1
+        return _line_fit(self._plain + self._verify)
+
+    def draft_fit(self) -> Tuple[float, float]:
+        """``(d0, d1)`` seconds of a draft step of ``r`` rows, ``d0 + d1 r`` (steps of some rows only)."""
+        return _line_fit(self._draft)
 
     def plain(self, rows: int) -> float:
         """Seconds of a plain step of ``rows`` rows: its recent median, else the fitted line."""
@@ -545,18 +536,29 @@ class TokenCostModel:
         return c0 + c1 * rows
 
     def draft_step(self, rows: int) -> float:
-        """Seconds of one draft step of ``rows`` rows (0 before any was timed)."""
-        seen = [t for r, t in self._draft if r == rows] or [t * rows / r for r, t in self._draft]
-        return _median(seen, 0.0)
+        """Seconds of one draft step of ``rows`` rows: the recent median at that row count, else
+        the fitted line (0 before any was timed)."""
+        seen = [t for r, t in self._draft if r == rows]
+        if seen:
+            return _median(seen)
+        d0, d1 = self.draft_fit()
+        return d0 + d1 * rows
 
     def iteration(self, gamma: int, tokens: int, rows: int) -> float:
         """Predicted seconds of an iteration of ``gamma`` draft steps over ``rows`` rows verifying
-        ``tokens`` tokens (``gamma = 0``: a plain step)."""
+        ``tokens`` tokens (``gamma = 0``: a plain step). Where steps draft the rows that still
+        draft only (:attr:`subsets`), the steps cost ``gamma d0 + d1 (tokens - rows)``, else
+        ``gamma`` steps of all rows."""
         if gamma == 0:
             return self.plain(rows)
         c0, c1 = self.verify_fit()
         verify = max(c0 + c1 * tokens, self.plain(rows))  # more tokens than a plain step: never cheaper
-        return verify + gamma * self.draft_step(rows) + _median(self._select, 0.0)
+        if self.subsets:
+            d0, d1 = self.draft_fit()
+            drafting = min(gamma * d0 + d1 * (tokens - rows), gamma * self.draft_step(rows))
+        else:
+            drafting = gamma * self.draft_step(rows)
+        return verify + drafting + _median(self._select, 0.0)
 
     def stats(self) -> dict:
         """``cost_t_*_ms``: plain step, draft step, selection and the verify line (per token) in ms."""
@@ -786,6 +788,31 @@ class PerRequestGamma:
         return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.costs.stats(),
                 "engine_acceptance": round(self.engine_acc.pooled(), 4), "cost_batch_sizes": sorted(self.cost_models),
                 "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
+
+
+def _line_fit(obs: List[Tuple[int, float]]) -> Tuple[float, float]:
+    """``(a, b)`` of ``t = a + b n`` through ``(n, t)`` observations: weighted least squares over the
+    medians per ``n`` (weights: observations per ``n``), ``a, b >= 0``; one ``n``: the line through
+    the origin (all of the cost per unit, the pessimistic reading); none: ``(0, 0)``."""
+    by_n: Dict[int, List[float]] = {}
+    for n, t in obs:
+        by_n.setdefault(n, []).append(t)
+    pts = [(n, _median(v), len(v)) for n, v in by_n.items()]
+    if not pts:
+        return 0.0, 0.0
+    sw = sum(w for _, _, w in pts)
+    mn = sum(n * w for n, _, w in pts) / sw
+    mt = sum(t * w for _, t, w in pts) / sw
+    vn = sum(w * (n - mn) ** 2 for n, _, w in pts)
+    if vn <= 1e-12 * sw:
+        return 0.0, mt / mn
+    b = sum(w * (n - mn) * (t - mt) for n, t, w in pts) / vn
+    a = mt - b * mn
+    if b < 0:
+        return mt, 0.0
+    if a < 0:
+        return 0.0, sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts)
+    return a, b
 
 
 def _median(xs: List[float], empty=None):
