@@ -130,6 +130,82 @@ def test_emulated_sparse_draft_attention(shape, path):
     assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
 
 
+# Small batches on the real launch plan (132 SMs, 4 tiles per split minimum): every (batch row,
+# KV head) is cut into as many splits as the tiles allow, merged by attn_merge_kernel. Odd
+# shapes: GQA 1 / 3 / 4 / 7, ragged lengths (make_inputs), block sizes not dividing S.
+EMU_SMALL_BATCH = [  # (B, Q, H_q, H_kv, D, S, block_size, min_tiles)
+    (1, 7, 32, 8, 128, 1100, 1, 4),  # Llama-3-8B heads, score pass, 5 splits of 4 tiles
+    (1, 3, 7, 1, 64, 2085, 5, 1),  # GQA 7, MQA: 33 splits (two partials per merge lane)
+    (2, 2, 9, 3, 80, 1500, 20, 1),  # slots, two per step; ragged rows, some splits empty
+    (1, 4, 4, 4, 64, 700, 16, 1),  # GQA 1 (MHA)
+    (1, 2, 8, 2, 96, 8300, 1, 1),  # 128 splits: four partials per merge lane
+]
+EMU_SMALL_DTYPES = [(torch.bfloat16, False), (torch.float32, True), (torch.float16, False)]
+
+
+@pytest.mark.parametrize("dt", EMU_SMALL_DTYPES,
+                         ids=lambda p: f"{str(p[0]).split('.')[-1]}-{'simt' if p[1] else 'auto'}")
+@pytest.mark.parametrize("shape", EMU_SMALL_BATCH, ids=lambda s: "B{}Q{}Hq{}Hkv{}D{}S{}bs{}mt{}".format(*s))
+def test_emulated_verify_small_batch_splits(shape, dt):
+    """verify_attention at batch 1-2 with the split-KV plan that fills 132 SMs: out, lse and
+    the fused block scores against the reference, per-dtype bounds (out: 2x a same-precision
+    dense attention; lse 1e-4 relative; block scores 1e-4 per query row, fp32 sums)."""
+    emu = _emu()
+    dtype, simt = dt
+    B, Q, Hq, Hkv, D, S, bs, min_tiles = shape
+    if dtype == torch.float16 and D == 96 and S > 8000:
+        pytest.skip("the bf16 / fp32 runs cover the 128-split case (emulation time)")
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=11)
+    scale = D ** -0.5
+    w = torch.rand(Q) + 0.5
+    nsplit = emu.attn_plan("verify_attention", B, Q, Hq, Hkv, D, S, bs, 0, dtype, not simt, 132,
+                           min_tiles, 233472)[0]
+    assert nsplit > 1
+    out, lse, bsc = emu.verify_attention(q, k, v, lens, bs, scale, w, simt, 132, 1, min_tiles)
+    out_r, lse_r, bsc_r = reference.verify_attention(q, k, v, lens, bs, scale, w)
+    allowed = reference.causal_allowed_mask(lens, Q, S, q.device).unsqueeze(1)
+    assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
+    assert max_err(lse, lse_r) <= 1e-4 * max(1.0, lse_r.abs().max().item())
+    assert max_err(bsc, bsc_r) <= 1e-4 * Q * (Hq // Hkv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_emulated_draft_small_batch_splits(dtype):
+    """sparse_draft_attention at batch 1 through the same split / merge path (no scores)."""
+    emu = _emu()
+    B, Q, Hq, Hkv, D, S, bs, K = 1, 1, 12, 4, 64, 3000, 3, 300
+    q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, dtype, seed=12)
+    tail = (lens - 8).to(torch.int32)
+    idx = random_selection(B, Hkv, -(-S // bs), K, seed=12)
+    scale = D ** -0.5
+    simt = dtype == torch.float32
+    out = emu.sparse_draft_attention(q, k, v, idx, tail, lens, bs, scale, simt, 132, 1, 1)
+    out_r = reference.sparse_draft_attention(q, k, v, idx, tail, lens, bs, scale)
+    allowed = reference.draft_allowed_mask(q, k, idx, tail, lens, bs)
+    assert max_err(out, out_r) <= out_error_bound(q, k, v, allowed, scale, dtype)
+
+
+@pytest.mark.parametrize("S", [8192, 32768, 131072])
+@pytest.mark.parametrize("B", [1, 2, 4, 8, 32])
+def test_split_plan_fills_the_device(B, S):
+    """Llama-3-8B attention (H_q 32, H_kv 8, D 128), Q 7, bf16, 132 SMs with 228 KiB each (H100 /
+    H200): 3 resident CTAs of 75 KB per SM, 396 slots. The main kernel's grid never runs a
+    partial last wave worse than the old plan and, at batch 1-4 from 32K on, fills at least 85 %
+    of one wave (the old 4 x SMs target gave 512 CTAs at batch 1: 1.3 waves, i.e. 2 of them);
+    3 launches per verification (main, merge, block scores)."""
+    emu = _emu()
+    nsplit, per_sm, ctas, merge_ctas, launches = emu.attn_plan(
+        "verify_attention", B, 7, 32, 8, 128, S, 1, 0, torch.bfloat16, True, 132, 4, 233472)
+    slots = 132 * per_sm
+    assert per_sm == 3 and launches == 3
+    assert ctas == B * 8 * nsplit  # 28 rows: one row group of two warps' 16 rows
+    waves = -(-ctas // slots)
+    assert ctas / (waves * slots) >= (0.85 if (B <= 4 and S >= 32768) else 0.6)
+    assert merge_ctas == B * 8 * 7  # one warp per query row, 4 rows per CTA
+    if B == 1 and S >= 32768:
+        assert 44 <= nsplit <= 49 and waves == 1
+
+
 def _topk_scores(B, H, N, kind, seed):
     g = torch.Generator().manual_seed(seed)
     if kind == "rand":
@@ -169,6 +245,37 @@ def test_emulated_block_topk(case, kind):
     emu = _emu()
     s, k, nc, max_k, sinks = _topk_args(case, kind)
     assert torch.equal(emu.block_topk(s, k, nc, max_k, sinks, 1), reference.block_topk(s, k, nc, max_k, sinks))
+
+
+@pytest.mark.parametrize("kind", ["rand", "ties", "special"])
+@pytest.mark.parametrize("ncache", [0, 700, None], ids=["no-cache", "partial-cache", "all-cached"])
+def test_emulated_block_topk_key_cache(ncache, kind):
+    """Rows longer than the CTA's shared memory allows keep only their first keys cached, the
+    rest re-read from global memory each pass: the same selection as the reference, for every
+    split point (none cached, part, all), with ties, NaN and +-inf; uneven warp segments."""
+    emu = _emu()
+    B, H, N, max_k, sinks = 2, 2, 3001, 150, 3
+    s, k, nc, _, _ = _topk_args((B, H, N, max_k, sinks), kind)
+    fixed = (1 << 20) - 4 * emu.topk_cache_keys(1 << 30, 1 << 20)  # histogram, counts: not keys
+    optin = 227 * 1024 if ncache is None else fixed + 4 * ncache
+    want_cache = N if ncache is None else ncache
+    assert emu.topk_cache_keys(N, optin) == want_cache
+    got = emu.block_topk_optin(s, k, nc, max_k, sinks, optin)
+    assert torch.equal(got, reference.block_topk(s, k, nc, max_k, sinks))
+
+
+def test_emulated_block_topk_block_size_1_row():
+    """One long row as at block size 1 (scores = probabilities over 20K tokens, 5 % budget,
+    a spread of magnitudes and exact zeros past the length): the reference's selection."""
+    emu = _emu()
+    g = torch.Generator().manual_seed(3)
+    N = 20000
+    s = torch.softmax(torch.randn(1, 2, N, generator=g) * 4, dim=-1)
+    s[:, :, 18000:] = 0.0
+    k = torch.tensor([1000], dtype=torch.int32)
+    nc = torch.tensor([N - 7], dtype=torch.int32)
+    got = emu.block_topk(s, k, nc, 1000, 1, 1)
+    assert torch.equal(got, reference.block_topk(s, k, nc, 1000, 1))
 
 
 @pytest.mark.parametrize("bs", [1, 16])
@@ -289,10 +396,10 @@ def test_workspace_formula_matches_launch_plan(shape):
     for op in ("verify_attention", "sparse_draft_attention"):
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             for aligned in (True, False):
-                for sms in (1, 108, 132):
+                for sms, smem in ((1, 233472), (108, 167936), (132, 233472), (132, 102400)):
                     got = ops.cuda_workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dtype=dt, aligned=aligned,
-                                                   num_sms=sms)
-                    want = emu.workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dt, aligned, sms, 4)
+                                                   num_sms=sms, smem_per_sm=smem)
+                    want = emu.workspace_bytes(op, B, Q, Hq, Hkv, D, S, bs, K, dt, aligned, sms, 4, smem)
                     assert got == want, (op, dt, aligned, sms)
 
 
@@ -328,6 +435,8 @@ def kernel_path(request, monkeypatch):
 VERIFY_SHAPES = ATTN_SHAPES + [  # (B, Q, H_q, H_kv, D, S, block_size)
     (2, 16, 32, 8, 96, 2000, 16),
     (1, 24, 8, 2, 128, 3000, 5),  # Q > 16
+    (1, 7, 32, 8, 128, 32768, 1),  # batch 1, Llama-3-8B heads: ~47 splits per KV head (one wave)
+    (2, 7, 28, 4, 128, 20000, 20),  # GQA 7, slots, ragged, block size not dividing S
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -445,7 +554,8 @@ def test_draft_with_every_block_equals_verify(dtype, kernel_path):
 
 @gpu
 @pytest.mark.parametrize("kind", ["rand", "ties", "special"])
-@pytest.mark.parametrize("case", TOPK_CASES + [(2, 8, 131072, 6554, 4), (3, 2, 5000, 5000, 0)], ids=str)
+@pytest.mark.parametrize("case", TOPK_CASES + [(2, 8, 131072, 6554, 4), (3, 2, 5000, 5000, 0),
+                                               (1, 8, 32768, 1639, 1)], ids=str)
 def test_block_topk_matches_reference(case, kind):
     s, k, nc, max_k, sinks = _topk_args(case, kind)
     got = torch.ops.vegas.block_topk(s.to(CUDA), k.to(CUDA), nc.to(CUDA), max_k, sinks)
@@ -667,7 +777,9 @@ def test_cuda_workspace_matches_formula(bs):
     call, minus its outputs, equals ops.cuda_workspace_bytes."""
     B, Q, Hq, Hkv, D, S, K = 4, 7, 32, 8, 128, 8192, 64
     q, k, v, lens = make_inputs(B, Q, Hq, Hkv, D, S, torch.bfloat16, device=CUDA)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
     idx = random_selection(B, Hkv, -(-S // bs), K).to(CUDA)
     tail = (lens - 1).to(torch.int32)
     q1 = q[:, :1].contiguous()
@@ -686,5 +798,5 @@ def test_cuda_workspace_matches_formula(bs):
         out_bytes = sum(t.numel() * t.element_size() for t in res)
         measured = torch.cuda.memory_stats()["requested_bytes.all.peak"] - base - out_bytes
         Qo = Q if op == "verify_attention" else 1
-        want = ops.cuda_workspace_bytes(op, B, Qo, Hq, Hkv, D, S, bs, K, num_sms=sms)
+        want = ops.cuda_workspace_bytes(op, B, Qo, Hq, Hkv, D, S, bs, K, num_sms=sms, smem_per_sm=smem)
         assert measured == want, (op, measured, want)

@@ -10,7 +10,7 @@
 //   int length() const;   int token(int v) const;   static constexpr bool kBlockScores;
 // Values that could be out of range when the host-side value checks are skipped (the
 // default on CUDA, and always under CUDA-graph capture) are clamped or masked there, so
-// no kernel reads outside the cache; attn_lse_kernel / attn_combine_kernel then poison
+// no kernel reads outside the cache; attn_merge_kernel / attn_slot_scores_kernel then poison
 // (NaN) every output of a row whose seq_len (or tail_start) is out of range.
 //
 // Numerics: scores q.k accumulate in fp32 (fp16 inputs whose products pass 65504 stay
@@ -19,7 +19,10 @@
 // input type for the P.V product, as FlashAttention does.
 //
 // STATUS: compiled for sm80 / sm90 and checked with the software emulation in
-// csrc/cuda/emu against the PyTorch reference; ran on an H200 (bench/results/gpu_h200).
+// csrc/cuda/emu against the PyTorch reference; the main loops ran on an H200
+// (bench/results/gpu_h200). The wave-filling split plan and attn_merge_kernel (which replaced
+// attn_lse_kernel and the out part of attn_combine_kernel) are compiled for sm_90 and
+// emulator-checked, not yet run on a GPU.
 #pragma once
 
 #include "cuda/attention_params.h"
@@ -95,7 +98,7 @@ VEGAS_DEVICE CtaWork cta_work(const AttnParams& p, Map& map, int tile) {
 // V via ldmatrix.trans). K/V tiles of 64 tokens are double-buffered with cp.async.
 // ---------------------------------------------------------------------------
 template <typename T, int D, class Map>
-VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
+VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS2(128, kAttnCtasPerSm) attn_mma_kernel(const AttnParams p) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16 on the tensor-core path");
   constexpr int TILE = kMmaTile;
   constexpr int LDS = D + 8;  // smem row stride (elements): 16-byte aligned, conflict-free
@@ -389,7 +392,7 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_mma_kernel(const AttnParams p) {
 // Tiles are converted to fp32 in shared memory (single stage).
 // ---------------------------------------------------------------------------
 template <typename T, class Map>
-VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_simt_kernel(const AttnParams p) {
+VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS2(128, kAttnCtasPerSm) attn_simt_kernel(const AttnParams p) {
   constexpr int RW = 8;   // rows per warp
   constexpr int DPL = 8;  // head dims per lane, max (D <= 256)
   constexpr int LDP = kStep + 1;
@@ -574,10 +577,16 @@ VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(128) attn_simt_kernel(const AttnParams p) 
 }
 
 // ---------------------------------------------------------------------------
-// Merge of the partials. Kernel 1: per row, lse2 = log2 sum_p l_p * 2^(m_p) (written to
-// `lse2` workspace [B * Hkv, R], and as natural-log lse to c.lse when given).
-// Kernel 2: out = sum_p o_p * 2^(m_p - lse2); block_scores[j] = sum over rows r of
-// w(r) * sum over the steps u overlapping block j of 2^(slot[r, u, j] - lse2[r]).
+// Merge of the partials. attn_merge_kernel: one warp per query row r of a (batch row, KV
+// head) bg; lse2 = log2 sum_p l_p * 2^(m_p) with the lanes over the splits (written to the
+// `lse2` workspace [B * Hkv, R], and as natural-log lse to c.lse when given), then
+// out = sum_p o_p * 2^(m_p - lse2), the factors staged in shared memory so every partial
+// is loaded unconditionally (D / 32 independent loads per split and lane in flight; the
+// former one-thread-per-element loop waited on l_p before each load, np = 64 dependent L2
+// round trips per element over 4 CTAs per bg at batch 1 -- the likely share of the H200's
+// batch-1 gap, an estimate, not measured separately). attn_slot_scores_kernel (slots mode):
+// block_scores[j] = sum over rows r of w(r) * sum over the steps u overlapping block j of
+// 2^(slot[r, u, j] - lse2[r]).
 // Device-side guard: a batch row whose seq_len lies outside [Q, S] (or whose tail_start
 // lies outside [0, seq_len - Q], draft) gets NaN lse, out and block scores.
 // ---------------------------------------------------------------------------
@@ -591,96 +600,125 @@ VEGAS_DEVICE bool row_values_bad(const CombineParams& c, int b) {
   return bad;
 }
 
-static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_lse_kernel(const CombineParams c, float* lse2) {
+template <typename T>
+VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(32 * kMergeRows) attn_merge_kernel(const CombineParams c,
+                                                                         float* lse2) {
+  constexpr int PPL = kMaxSplits / 32;  // partials per lane
+  constexpr int DPL = 8;                // head dims per lane (D <= 256)
+  VEGAS_DYNAMIC_SMEM(smem);
+  const int lane = thread_x() & 31;
+  const int warp = thread_x() >> 5;
+  float* fac = reinterpret_cast<float*>(smem) + warp * c.np;  // [np] factors of this warp's row
   const int bg = block_x();
-  const int r = block_y() * block_dim_x() + thread_x();
-  if (r >= c.R) return;
   const int b = bg / c.Hkv;
   const int g = bg - b * c.Hkv;
-  const int64_t ml = int64_t(bg) * c.np * c.R + r;
-  // A split whose running sum is NaN (NaN or +inf among its scores) poisons the row, as in
-  // the reference; splits that saw no token (l == 0) are skipped.
-  float M = kNegInf;
-  bool poisoned = false;
-  for (int q = 0; q < c.np; ++q) {
-    const float lq = c.part_l[ml + int64_t(q) * c.R];
-    const float mq = c.part_m[ml + int64_t(q) * c.R];
-    if (lq != lq || mq != mq || lq > 3.4e38f) poisoned = true;
-    if (lq > 0.f) M = fmax_(M, mq);
-  }
-  float tot = 0.f;
-  for (int q = 0; q < c.np; ++q) {
-    const float lq = c.part_l[ml + int64_t(q) * c.R];
-    if (lq > 0.f) tot += lq * fast_exp2(c.part_m[ml + int64_t(q) * c.R] - M);
-  }
-  poisoned = poisoned || row_values_bad(c, b);
-  const float v = poisoned ? nanf("") : (tot > 0.f ? M + fast_log2(tot) : kNegInf);
-  lse2[int64_t(bg) * c.R + r] = v;
-  if (c.lse) {
+  const bool bad = row_values_bad(c, b);
+  const int64_t qstride = int64_t(c.R);  // between the partials of one row
+  T* out = static_cast<T*>(c.out);
+  for (int r = block_y() * kMergeRows + warp; r < c.R; r += grid_y() * kMergeRows) {  // warp-uniform
+    const int64_t ml = int64_t(bg) * c.np * c.R + r;
+    // A split whose running sum is NaN (NaN or +inf among its scores) poisons the row, as in
+    // the reference; splits that saw no token (l == 0) are skipped.
+    float lv[PPL], mv[PPL];
+    float M = kNegInf, flag = 0.f;
+#pragma unroll
+    for (int i = 0; i < PPL; ++i) {
+      const int q = lane + 32 * i;
+      lv[i] = 0.f;
+      mv[i] = kNegInf;
+      if (q < c.np) {
+        lv[i] = c.part_l[ml + q * qstride];
+        mv[i] = c.part_m[ml + q * qstride];
+        if (lv[i] != lv[i] || mv[i] != mv[i] || lv[i] > 3.4e38f) flag = 1.f;
+        if (lv[i] > 0.f) M = fmax_(M, mv[i]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      M = fmax_(M, shfl_xor(M, o));
+      flag = fmax_(flag, shfl_xor(flag, o));
+    }
+    float tot = 0.f;
+#pragma unroll
+    for (int i = 0; i < PPL; ++i)
+      if (lv[i] > 0.f) tot += lv[i] * fast_exp2(mv[i] - M);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tot += shfl_xor(tot, o);
+    const float L2 = (flag > 0.f || bad) ? nanf("") : (tot > 0.f ? M + fast_log2(tot) : kNegInf);
     const int i = r / c.G;
     const int hq = g * c.G + (r - i * c.G);
-    c.lse[(int64_t(b) * c.Hq + hq) * c.Q + i] = v * kLn2;
+    if (lane == 0) {
+      lse2[int64_t(bg) * c.R + r] = L2;
+      if (c.lse) c.lse[(int64_t(b) * c.Hq + hq) * c.Q + i] = L2 * kLn2;
+    }
+#pragma unroll
+    for (int k = 0; k < PPL; ++k) {
+      const int q = lane + 32 * k;
+      if (q < c.np) fac[q] = lv[k] > 0.f ? fast_exp2(mv[k] - L2) : -1.f;  // -1: skipped split
+    }
+    warp_sync();
+    float acc[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) acc[k] = 0.f;
+    if (L2 == L2 && L2 != kNegInf) {  // warp-uniform
+      const float* po = c.part_o + ml * c.D;
+#pragma unroll 2
+      for (int q = 0; q < c.np; ++q) {
+        const float f = fac[q];
+        const float* pq = po + q * qstride * c.D;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) {
+          const int d = lane + 32 * k;
+          if (d < c.D) {
+            const float x = pq[d];
+            acc[k] = f >= 0.f ? acc[k] + x * f : acc[k];
+          }
+        }
+      }
+    }
+    T* orow = out + ((int64_t(b) * c.Q + i) * c.Hq + hq) * c.D;
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) {
+      const int d = lane + 32 * k;
+      if (d < c.D) orow[d] = from_float<T>(L2 != L2 ? L2 : acc[k]);  // NaN row: NaN everywhere
+    }
+    warp_sync();  // fac is rewritten for the warp's next row
   }
 }
 
-template <typename T>
-VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_combine_kernel(const CombineParams c,
-                                                               const float* lse2) {
+static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(256) attn_slot_scores_kernel(const CombineParams c,
+                                                                          const float* lse2) {
   const int bg = block_x();
   const int chunk = block_y();
   const int nchunk = grid_y();
   const int tid = thread_x();
   const int nth = block_dim_x();
   const int b = bg / c.Hkv;
-  const int g = bg - b * c.Hkv;
   const float* lrow = lse2 + int64_t(bg) * c.R;
-  const int64_t ml0 = int64_t(bg) * c.np * c.R;
-  T* out = static_cast<T*>(c.out);
-  const int64_t nel = int64_t(c.R) * c.D;
-  for (int64_t e = int64_t(chunk) * nth + tid; e < nel; e += int64_t(nchunk) * nth) {
-    const int r = static_cast<int>(e / c.D);
-    const int d = static_cast<int>(e - int64_t(r) * c.D);
-    const float L2 = lrow[r];
-    float acc = 0.f;
-    if (L2 != L2) {
-      acc = L2;  // poisoned row: NaN even where no split saw a finite token
-    } else if (L2 != kNegInf) {
-      for (int q = 0; q < c.np; ++q) {
-        const int64_t idx = ml0 + int64_t(q) * c.R + r;
-        const float lq = c.part_l[idx];
-        if (lq > 0.f) acc += c.part_o[idx * c.D + d] * fast_exp2(c.part_m[idx] - L2);
-      }
-    }
-    const int i = r / c.G;
-    const int hq = g * c.G + (r - i * c.G);
-    out[((int64_t(b) * c.Q + i) * c.Hq + hq) * c.D + d] = from_float<T>(acc);
-  }
-  if (c.block_scores) {
-    const int bs = c.block_size;
-    const bool bad = row_values_bad(c, b);
-    int L = c.seq_lens[b];
-    L = L < 0 ? 0 : (L > c.S ? c.S : L);
-    for (int64_t j = int64_t(chunk) * nth + tid; j < c.nblocks; j += int64_t(nchunk) * nth) {
-      const int64_t tlo = j * bs;
-      float score = 0.f;
-      if (tlo < L) {
-        const int64_t thi = (tlo + bs < L ? tlo + bs : L) - 1;
-        const int64_t u0 = tlo / kStep, u1 = thi / kStep;
-        for (int r = 0; r < c.R; ++r) {
-          const float L2 = lrow[r];
-          const float w = c.query_weights ? c.query_weights[r / c.G] : 1.f;
-          if (L2 == kNegInf || w == 0.f) continue;
-          const float* sr = c.slots + (int64_t(bg) * c.R + r) * c.nsub * c.spt;
-          float a = 0.f;
-          for (int64_t u = u0; u <= u1; ++u) {
-            const int64_t lb = j - (u * kStep) / bs;
-            a += fast_exp2(sr[u * c.spt + lb] - L2);
-          }
-          score += w * a;
+  const int bs = c.block_size;
+  const bool bad = row_values_bad(c, b);
+  int L = c.seq_lens[b];
+  L = L < 0 ? 0 : (L > c.S ? c.S : L);
+  for (int64_t j = int64_t(chunk) * nth + tid; j < c.nblocks; j += int64_t(nchunk) * nth) {
+    const int64_t tlo = j * bs;
+    float score = 0.f;
+    if (tlo < L) {
+      const int64_t thi = (tlo + bs < L ? tlo + bs : L) - 1;
+      const int64_t u0 = tlo / kStep, u1 = thi / kStep;
+      for (int r = 0; r < c.R; ++r) {
+        const float L2 = lrow[r];
+        const float w = c.query_weights ? c.query_weights[r / c.G] : 1.f;
+        if (L2 == kNegInf || w == 0.f) continue;
+        const float* sr = c.slots + (int64_t(bg) * c.R + r) * c.nsub * c.spt;
+        float a = 0.f;
+        for (int64_t u = u0; u <= u1; ++u) {
+          const int64_t lb = j - (u * kStep) / bs;
+          a += fast_exp2(sr[u * c.spt + lb] - L2);
         }
+        score += w * a;
       }
-      c.block_scores[int64_t(bg) * c.nblocks + j] = bad ? nanf("") : score;
     }
+    c.block_scores[int64_t(bg) * c.nblocks + j] = bad ? nanf("") : score;
   }
 }
 

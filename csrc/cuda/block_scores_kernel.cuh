@@ -1,5 +1,5 @@
 // Block-score pass of vegas::verify_attention for small blocks (ScoreMode::kScorePass,
-// block_size < 16; raw pointers, no torch includes). Runs after attn_lse_kernel, with the
+// block_size < 16; raw pointers, no torch includes). Runs after attn_merge_kernel, with the
 // final base-2 log-sum-exp lse2_r of every query row r known, so the probabilities are
 // exact at once and can be summed over the rows in registers:
 //   block_scores[b, g, j] = sum_{tokens t of block j, t < seq_len} sum_r w(r) *
@@ -12,7 +12,7 @@
 // block_size 1 would be R * S floats per (batch row, KV head).
 //
 // A row whose seq_len lies outside [Q, S] gets NaN block scores (device-side guard of
-// the unchecked values, as attn_lse_kernel poisons its lse).
+// the unchecked values, as attn_merge_kernel poisons its lse).
 //
 // STATUS: compiled for sm80 / sm90 and checked with the software emulation in
 // csrc/cuda/emu against the PyTorch reference; ran on an H200 (bench/results/gpu_h200).

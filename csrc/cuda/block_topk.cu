@@ -1,6 +1,7 @@
 // CUDA launcher of vegas::block_topk (TORCH_LIBRARY_IMPL(vegas, CUDA)). Kernel:
 // block_topk_kernel.cuh; host logic: ops_host.h.
-// STATUS: compiled for sm80 / sm90, emulator-checked; ran on an H200 (bench/results/gpu_h200).
+// STATUS: compiled for sm80 / sm90, emulator-checked; the former kernel ran on an H200
+// (bench/results/gpu_h200); the key-caching rewrite is not yet run on a GPU.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

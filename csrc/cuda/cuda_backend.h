@@ -33,24 +33,30 @@ struct CudaBackend {
 
   bool value_checks() const { return !capturing && value_checks_requested(); }
   bool force_simt() const { return env_flag("VEGAS_CUDA_FORCE_SIMT", false); }
-  // multiprocessors of the current device, looked up once per device
-  int num_sms() const {
+  // A device attribute of the current device, looked up once per device and attribute slot.
+  template <int Slot>
+  static int cached_attr(cudaDeviceAttr attr) {
     static std::atomic<int> cache[64];
     int dev = 0;
     C10_CUDA_CHECK(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return query_sms(dev);
+    if (dev < 0 || dev >= 64) return query_attr(dev, attr);
     int n = cache[dev].load(std::memory_order_relaxed);
     if (n == 0) {
-      n = query_sms(dev);
+      n = query_attr(dev, attr);
       cache[dev].store(n, std::memory_order_relaxed);
     }
     return n;
   }
-  static int query_sms(int dev) {
+  static int query_attr(int dev, cudaDeviceAttr attr) {
     int n = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, dev));
     return n;
   }
+  int num_sms() const { return cached_attr<0>(cudaDevAttrMultiProcessorCount); }
+  // shared memory per multiprocessor (bytes): resident CTAs in the attention launch plan
+  int64_t smem_per_sm() const { return cached_attr<1>(cudaDevAttrMaxSharedMemoryPerMultiprocessor); }
+  // largest dynamic shared memory one CTA may opt in to (bytes): block_topk's key cache
+  int64_t smem_optin() const { return cached_attr<2>(cudaDevAttrMaxSharedMemoryPerBlockOptin); }
   int min_tiles_per_split() const { return kMinTilesPerSplit; }
   int paged_chunk_tokens() const { return kPagedChunkTokens; }
   at::Tensor to_host(const at::Tensor& t) const { return t.to(at::kCPU); }

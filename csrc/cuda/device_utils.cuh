@@ -27,6 +27,7 @@ namespace cuda {
 #define VEGAS_DEVICE inline
 #define VEGAS_GLOBAL inline
 #define VEGAS_LAUNCH_BOUNDS(n)
+#define VEGAS_LAUNCH_BOUNDS2(n, m)
 #define VEGAS_DYNAMIC_SMEM(name) unsigned char* name = ::vegas_emu::dynamic_smem()
 using bf16_t = ::vegas_emu::bf16;
 using half_t = ::vegas_emu::half;
@@ -34,6 +35,7 @@ using half_t = ::vegas_emu::half;
 #define VEGAS_DEVICE __device__ __forceinline__
 #define VEGAS_GLOBAL __global__
 #define VEGAS_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define VEGAS_LAUNCH_BOUNDS2(n, m) __launch_bounds__(n, m)  // m: min. resident CTAs per SM
 #define VEGAS_DYNAMIC_SMEM(name)                                  \
   extern __shared__ __align__(16) unsigned char vegas_smem_raw[]; \
   unsigned char* name = vegas_smem_raw
@@ -190,6 +192,14 @@ VEGAS_DEVICE uint32_t match_any(int v) {
   return ::vegas_emu::match_any(v);
 #else
   return __match_any_sync(0xffffffffu, v);
+#endif
+}
+// Mask of the lanes whose pred is true (all 32 lanes must call it).
+VEGAS_DEVICE uint32_t ballot(bool pred) {
+#ifdef VEGAS_EMULATE
+  return ::vegas_emu::ballot(pred);
+#else
+  return __ballot_sync(0xffffffffu, pred);
 #endif
 }
 #ifdef VEGAS_EMULATE

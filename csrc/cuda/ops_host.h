@@ -7,6 +7,7 @@
 //   bool value_checks();          // run the checks that copy values to the host (a sync)
 //   bool force_simt();            // use the SIMT kernels even where mma applies
 //   int num_sms();
+//   int64_t smem_per_sm();        // shared memory per multiprocessor, bytes (launch plan)
 //   int min_tiles_per_split();    // kMinTilesPerSplit; the emulation lowers it to test splits
 //   int paged_chunk_tokens();     // kPagedChunkTokens; the emulation lowers it to test chunks
 //   at::Tensor to_host(const at::Tensor&);
@@ -128,13 +129,15 @@ inline bool mma_applies(at::ScalarType dt, int64_t D, bool k_aligned, bool v_ali
 }
 
 // The launch plan of one attention call (verify: K = 0, with_scores; draft: K selected
-// blocks). Depends on shapes, dtype, kernel path and the device's SM count only.
+// blocks). Depends on shapes, dtype, kernel path and the device's SM count and shared
+// memory per SM only.
 inline AttnPlan plan_attention(const AttnDims& d, int64_t K, bool with_scores, bool mma,
-                               int esize, int num_sms, int min_tiles) {
+                               int esize, int num_sms, int min_tiles,
+                               int64_t smem_per_sm = kDefaultSmemPerSm) {
   const int64_t R = d.Q * d.group;
   const int64_t vmax = with_scores ? d.S : K * d.block_size + d.S;
   return make_attn_plan(d.B, d.Hkv, R, d.D, d.S, vmax, d.block_size, mma, with_scores, esize,
-                        num_sms, min_tiles);
+                        num_sms, min_tiles, smem_per_sm);
 }
 
 // Shared by verify (Map = VerifyMap) and the draft (Map = DraftMap). Every size comes
@@ -152,7 +155,8 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
       mma_applies(dt, d.D, rows_16b_aligned(k), rows_16b_aligned(v)) && !be.force_simt();
   const AttnPlan plan = plan_attention(d, K, Map::kBlockScores, mma_ok,
                                        static_cast<int>(q.element_size()), be.num_sms(),
-                                       be.min_tiles_per_split());
+                                       be.min_tiles_per_split(), be.smem_per_sm());
+  TORCH_INTERNAL_ASSERT(plan.np >= 1 && plan.np <= kMaxSplits);
   at::Tensor ws = at::empty({plan.workspace_bytes() / 4}, q.options().dtype(at::kFloat));
   float* wp = ws.data_ptr<float>();
   const bool slots = plan.scores == ScoreMode::kSlots;
@@ -247,15 +251,18 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
     AttnKernel<T, Map> kern =
         plan.mma ? pick_mma_kernel<T, Map>(d.D) : &attn_simt_kernel<T, Map>;
     TORCH_INTERNAL_ASSERT(kern != nullptr);
+    // 2 or 3 launches: main loop, merge (lse + out), block scores (score pass or slots)
     be.launch(kern, grid, threads, plan.smem, a);
-    be.launch(&attn_lse_kernel, Grid3{d.B * d.Hkv, ceil_div(R, 256), 1}, 256, 0, c, lse2);
+    be.launch(&attn_merge_kernel<T>, Grid3{d.B * d.Hkv, plan.merge_chunks, 1}, 32 * kMergeRows,
+              plan.merge_smem, c, lse2);
     if (plan.scores == ScoreMode::kScorePass) {
       ScoreKernel<T> sk = pick_score_kernel<T>(plan.mma, d.D);
       TORCH_INTERNAL_ASSERT(sk != nullptr);
       be.launch(sk, Grid3{d.B * d.Hkv, plan.sc_chunks, 1}, kScoreThreads, plan.sc_smem, sp);
+    } else if (slots) {
+      be.launch(&attn_slot_scores_kernel, Grid3{d.B * d.Hkv, plan.combine_chunks, 1},
+                plan.combine_threads, 0, c, static_cast<const float*>(lse2));
     }
-    be.launch(&attn_combine_kernel<T>, Grid3{d.B * d.Hkv, plan.combine_chunks, 1},
-              plan.combine_threads, 0, c, static_cast<const float*>(lse2));
   };
   switch (dt) {
     case at::kFloat: go(float{}); break;
@@ -271,7 +278,8 @@ void run_attention(Backend& be, const at::Tensor& q, const at::Tensor& k, const 
 inline int64_t attention_workspace_bytes(const std::string& op, int64_t B, int64_t Q, int64_t Hq,
                                          int64_t Hkv, int64_t D, int64_t S, int64_t block_size,
                                          int64_t K, at::ScalarType dt, bool aligned, int num_sms,
-                                         int min_tiles = kMinTilesPerSplit) {
+                                         int min_tiles = kMinTilesPerSplit,
+                                         int64_t smem_per_sm = kDefaultSmemPerSm) {
   TORCH_CHECK(op == "verify_attention" || op == "sparse_draft_attention",
               "attention_workspace_bytes: op must be verify_attention or sparse_draft_attention, got ",
               op);
@@ -280,7 +288,7 @@ inline int64_t attention_workspace_bytes(const std::string& op, int64_t B, int64
   AttnDims d{B, Q, Hq, Hkv, S, D, Hq / Hkv, effective_block_size(block_size, S)};
   const bool mma = mma_applies(dt, D, aligned, aligned);
   const int esize = static_cast<int>(c10::elementSize(dt));
-  return plan_attention(d, K, op == "verify_attention", mma, esize, num_sms, min_tiles)
+  return plan_attention(d, K, op == "verify_attention", mma, esize, num_sms, min_tiles, smem_per_sm)
       .workspace_bytes();
 }
 
@@ -372,7 +380,9 @@ at::Tensor block_topk_impl(Backend& be, const at::Tensor& scores_in, const at::T
   p.N = static_cast<int>(N);
   p.max_k = static_cast<int>(max_k);
   p.num_sink_blocks = static_cast<int>(std::min<int64_t>(num_sink_blocks, INT32_MAX));
-  be.launch(&block_topk_kernel, Grid3{B * H, 1, 1}, kTopkThreads, kTopkSmemBytes, p);
+  p.ncache = static_cast<int>(topk_cache_keys(N, be.smem_optin()));
+  be.launch(&block_topk_kernel, Grid3{B * H, 1, 1}, kTopkThreads,
+            kTopkSmemBytes + size_t(p.ncache) * sizeof(uint32_t), p);
   return out;
 }
 

@@ -1,6 +1,7 @@
 // CUDA launcher of vegas::verify_attention (TORCH_LIBRARY_IMPL(vegas, CUDA)). Kernels:
 // verify_attention_kernel.cuh / attention_kernel.cuh; host logic: ops_host.h.
-// STATUS: compiled for sm80 / sm90, emulator-checked; ran on an H200 (bench/results/gpu_h200).
+// STATUS: compiled for sm80 / sm90, emulator-checked; ran on an H200 (bench/results/gpu_h200)
+// before the small-batch split plan and merge kernel (emulator-checked, not yet on a GPU).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

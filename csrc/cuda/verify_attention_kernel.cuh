@@ -1,8 +1,8 @@
 // Kernels of vegas::verify_attention (raw pointers, no torch includes): the shared
 // split-KV main loops of attention_kernel.cuh over the token map below, then
-// attn_lse_kernel / attn_combine_kernel merge the splits. Block scores, by block size:
+// attn_merge_kernel merges the splits into out / lse. Block scores, by block size:
 // * block_size >= 16: per-block partial log-sum-exps ("slots") kept in the main loop,
-//   normalised by the combine kernel:
+//   normalised by attn_slot_scores_kernel:
 //     block_scores[b, g, j] = sum_r w(r) * sum_{steps u over block j} 2^(slot[r, u, j] - lse2_r)
 // * block_size < 16: the block-score pass of block_scores_kernel.cuh, after the lse.
 // No [Q, S] probability matrix is written. Source of the method: Vegas, arXiv 2602.07223.

@@ -147,6 +147,7 @@ def cuda_workspace_bytes(
     dtype: torch.dtype = torch.bfloat16,
     aligned: bool = True,
     num_sms: int = 132,
+    smem_per_sm: int = 233472,
 ) -> int:
     """Bytes of device workspace one CUDA ``verify_attention`` / ``sparse_draft_attention``
     call allocates (from the caching allocator, freed at return), besides its outputs.
@@ -162,11 +163,14 @@ def cuda_workspace_bytes(
     plus the group's queries -- would exceed 96 KiB: very many rows, or fp32 with D = 256); for
     ``bs < 16`` a second pass over K computes the block scores
     with no workspace, so at ``block_size = 1`` nothing of size ``[Q, S]`` is allocated.
-    ``np = max(1, min(ceil(4 * num_sms / (B * H_kv * nz)), ceil(ceil(V / tile) / 4), 64))``
-    with ``V = S`` (verify) or ``K * bs + S`` (draft), ``tile = 64`` (32 on the SIMT path
-    for D > 128), ``nz = ceil(ceil(R / rows) / min(4, ceil(R / rows)))`` row groups,
-    ``rows = 16`` on the tensor-core path (bf16 / fp16, D in {64, 80, 96, 128}, 16-byte
-    aligned K/V rows: ``aligned``), else 8.
+    ``np`` fills the device in whole waves: the smallest ``n`` whose cost
+    ``ceil(B * H_kv * nz * n / (num_sms * c)) * (max(ceil(nvt / n), 4) + 1)`` is within 3 % of
+    the least over ``n`` in ``[1, min(ceil(nvt / 4), 128)]``, with ``nvt = ceil(V / tile)`` tiles, ``V = S`` (verify) or
+    ``K * bs + S`` (draft), ``tile = 64`` (32 on the SIMT path for D > 128),
+    ``nz = ceil(ceil(R / rows) / min(4, ceil(R / rows)))`` row groups, ``rows = 16`` on the
+    tensor-core path (bf16 / fp16, D in {64, 80, 96, 128}, 16-byte aligned K/V rows:
+    ``aligned``), else 8, and ``c = min(3, smem_per_sm // (main-kernel shared memory +
+    1 KiB))`` resident CTAs per SM (3 for D = 128 bf16 on an H100 / H200).
 
     Example: Llama-3-8B attention (H_q 32, H_kv 8, D 128), S = 128K, batch 32, Q = 7, bf16,
     132 SMs: 11.2 MB at block size 1; 246 MB at block size 16.
@@ -177,6 +181,8 @@ def cuda_workspace_bytes(
         K: selected blocks per row (draft).
         dtype, aligned: pick the kernel path as the launcher does.
         num_sms: multiprocessors of the GPU (132 on H100 / H200 SXM, 108 on A100).
+        smem_per_sm: shared memory per multiprocessor, bytes (228 KiB on H100 / H200,
+            164 KiB on A100).
 
     Returns:
         int, bytes. Mirrors the launch plan of ``csrc/cuda/attention_params.h``
@@ -198,7 +204,18 @@ def cuda_workspace_bytes(
     verify = op == "verify_attention"
     vlen = S if verify else K * bs + S
     nvt = max(1, cdiv(vlen, tile))
-    np_ = max(1, min(cdiv(4 * max(1, num_sms), B * H_kv * nz), cdiv(nvt, 4), 64))
+    rg = min(4, mr)
+    warps = rg * (4 if rg == 1 else 2 if rg == 2 else 1)
+    if mma:  # the main kernel's shared memory (MmaSmem / SimtSmem in attention_params.h)
+        smem_main = 4 * 64 * (D + 8) * esize + 3 * 64 * 4 + warps * 16 * 18 * 4
+    else:
+        smem_main = 2 * tile * (D + 2) * 4 + tile * 4 + rg * 8 * D * 4 + warps * 8 * 18 * 4
+    ctas_per_sm = max(1, min(3, smem_per_sm // (smem_main + 1024)))
+    slots = max(1, num_sms) * ctas_per_sm
+    base = B * H_kv * nz
+    cost = lambda n: cdiv(base * n, slots) * (max(cdiv(nvt, n), 4) + 1)  # noqa: E731
+    least = min(cost(n) for n in range(1, max(1, min(cdiv(nvt, 4), 128)) + 1))
+    np_ = next(n for n in range(1, 129) if cost(n) * 100 <= least * 103)  # choose_nsplit
     words = B * H_kv * R * (np_ * (D + 2) + 1)
     if verify:
         rpad = cdiv(R, 16) * 16

@@ -23,6 +23,10 @@ struct EmuBackend {
   int checks = -1;  // 1 / 0: value checks on / off; -1: as on CUDA (VEGAS_CUDA_VALUE_CHECKS)
   int min_tiles = 1;
   int chunk_tokens = vegas::cuda::kPagedChunkTokens;
+  int64_t smem_sm = vegas::cuda::kDefaultSmemPerSm;
+  int64_t optin = 227 * 1024;  // sm_90's per-CTA maximum; tests lower it (block_topk key cache)
+  int64_t smem_per_sm() const { return smem_sm; }
+  int64_t smem_optin() const { return optin; }
   int min_tiles_per_split() const { return min_tiles; }
   int paged_chunk_tokens() const { return chunk_tokens; }
   bool value_checks() const {
@@ -69,6 +73,18 @@ at::Tensor block_topk_emu(const at::Tensor& scores, const at::Tensor& k, const a
   return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks);
 }
 
+// block_topk with a CTA shared-memory limit of `optin` bytes: only the first
+// topk_cache_keys(N, optin) keys of a row are cached, the rest re-read from global memory.
+at::Tensor block_topk_optin_emu(const at::Tensor& scores, const at::Tensor& k,
+                                const at::Tensor& nc, int64_t max_k, int64_t sinks,
+                                int64_t optin) {
+  EmuBackend be{false, 4, 0};
+  be.optin = optin;
+  return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks);
+}
+
+int64_t topk_cache_keys(int64_t n, int64_t optin) { return vegas::cuda::topk_cache_keys(n, optin); }
+
 at::Tensor paged_block_scores_emu(const at::Tensor& q, const at::Tensor& key_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                   const at::Tensor& query_start_loc, int64_t num_queries,
@@ -108,9 +124,25 @@ bool mma_path(const at::Tensor& q, const at::Tensor& k) {
 
 int64_t workspace_bytes(const std::string& op, int64_t B, int64_t Q, int64_t Hq, int64_t Hkv,
                         int64_t D, int64_t S, int64_t block_size, int64_t K,
-                        at::ScalarType dtype, bool aligned, int64_t sms, int64_t min_tiles) {
+                        at::ScalarType dtype, bool aligned, int64_t sms, int64_t min_tiles,
+                        int64_t smem_per_sm) {
   return vegas::cuda::attention_workspace_bytes(op, B, Q, Hq, Hkv, D, S, block_size, K, dtype,
-                                                aligned, int(sms), int(min_tiles));
+                                                aligned, int(sms), int(min_tiles), smem_per_sm);
+}
+
+// The launch plan of one attention call: (nsplit, CTAs per SM assumed, main-kernel CTAs,
+// merge CTAs, kernel launches).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> attn_plan(
+    const std::string& op, int64_t B, int64_t Q, int64_t Hq, int64_t Hkv, int64_t D, int64_t S,
+    int64_t block_size, int64_t K, at::ScalarType dtype, bool aligned, int64_t sms,
+    int64_t min_tiles, int64_t smem_per_sm) {
+  vegas::AttnDims d{B, Q, Hq, Hkv, S, D, Hq / Hkv, vegas::effective_block_size(block_size, S)};
+  const bool mma = vegas::cuda::mma_applies(dtype, D, aligned, aligned);
+  const bool verify = op == "verify_attention";
+  const auto p = vegas::cuda::plan_attention(d, K, verify, mma, int(c10::elementSize(dtype)),
+                                             int(sms), int(min_tiles), smem_per_sm);
+  return {p.nsplit, p.ctas_per_sm, B * Hkv * p.nz * p.nsplit, B * Hkv * p.merge_chunks,
+          verify ? 3 : 2};
 }
 
 // How verify_attention gets its block scores for these sizes: "slots" or "score_pass".
@@ -133,6 +165,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_verify_attention", &paged_verify_attention_emu);
   m.def("mma_path", &mma_path);
   m.def("workspace_bytes", &workspace_bytes);
+  m.def("attn_plan", &attn_plan);
+  m.def("block_topk_optin", &block_topk_optin_emu);
+  m.def("topk_cache_keys", &topk_cache_keys);
   m.def("score_mode", &score_mode);
   m.def("host_copies", [] { return g_host_copies; });
 }

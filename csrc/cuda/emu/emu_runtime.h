@@ -147,6 +147,16 @@ inline uint32_t match_any(int v) {
   syncwarp();
   return m;
 }
+inline uint32_t ballot(bool pred) {
+  xslot(ctx().lane)[0] = pred ? 1u : 0u;
+  syncwarp();
+  uint32_t m = 0;
+  for (int l = 0; l < 32; ++l)
+    if (xslot(l)[0] != 0) m |= 1u << l;
+  syncwarp();
+  return m;
+}
+inline int lane_id() { return ctx().lane; }
 inline void atomic_add(int* p, int v) { std::atomic_ref<int>(*p).fetch_add(v); }
 
 [[noreturn]] inline void fail(const char* what) {
