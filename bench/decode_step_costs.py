@@ -107,6 +107,58 @@ def profile_forward(fn, dev) -> dict:
                 other=round(wall_ms - attn_ms - lin_ms, 2))
 
 
+def _step_profile(fn, dev, top=12) -> tuple:
+    """One run of ``fn`` under torch.profiler with CPU (and, on CUDA, CUDA) activity after a warm-up
+    run: ``(summary dict, top-ops Markdown lines)``. wall: perf_counter around the call and a sync;
+    host_ops: the self CPU time of every op (the Python between ops is wall minus host time not
+    hidden behind the device); device_busy: the sum of the device time of every op (kernels on one
+    stream do not overlap), so device_busy / wall near 1 is device-bound, far below 1 host-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    fn()
+    sync(dev)
+    with profile(activities=acts) as p:
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    from torch.autograd import DeviceType
+
+    avgs = p.key_averages()
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    kern = [e for e in avgs if e.device_type == DeviceType.CUDA]  # kernels, memcpys, memsets
+    host = [e for e in avgs if e.device_type == DeviceType.CPU]
+    host_us = sum(e.self_cpu_time_total for e in host)
+    dev_us = sum(dev_t(e) for e in kern)
+    summ = dict(wall_ms=round(wall * 1e3, 3), host_ops_ms=round(host_us / 1e3, 3),
+                device_busy_ms=round(dev_us / 1e3, 3), device_busy_over_wall=round(dev_us / 1e3 / (wall * 1e3), 3),
+                device_kernels=sum(e.count for e in kern))
+    lines = ["| op or kernel | calls | host self ms | device ms |", "|---|---|---|---|"]
+    for e in sorted(kern, key=dev_t, reverse=True)[:top]:
+        lines.append(f"| kernel `{e.key[:90]}` | {e.count} | - | {dev_t(e) / 1e3:.3f} |")
+    for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
+        lines.append(f"| op `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.3f} | - |")
+    return summ, lines
+
+
+def profile_summary(model, cell, fns: dict, dws: dict, args: argparse.Namespace) -> str:
+    """Markdown: torch.profiler of one plain step (``full_step``) and one draft step (``draft_step``)
+    of ``cell`` -- host time vs device time and the top ops by device and by host self time."""
+    out = [f"# One plain and one draft decode step under torch.profiler: {args.model_config or 'SmolLM2-135M'}, "
+           f"{next(model.parameters()).dtype}, context {cell.S}, batch {cell.B}, block size {args.block_size}, "
+           f"device {torch.cuda.get_device_name(cell.dev) if cell.dev.type == 'cuda' else 'cpu'}", "",
+           "wall: one call incl. a final sync; host ops: self CPU time of all ops; device busy: sum of the "
+           "device time of all kernels (one stream). device busy / wall near 1: device-bound; far below: "
+           "host-bound (launch and Python overhead).", ""]
+    with torch.inference_mode(), patched(model), cell.st.activate(), _installed(dws):
+        for name in ("full_step", "draft_step"):
+            summ, lines = _step_profile(fns[name], cell.dev)
+            out += [f"## {name}", "", "  ".join(f"{k} {v}" for k, v in summ.items()), ""] + lines + [""]
+            print(json.dumps(dict(profile_step=name, **summ)), flush=True)
+    return "\n".join(out)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser()
@@ -129,6 +181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also time the draft step with these low-precision draft linears, e.g. fp16,int8 "
                          "(draft_step_<kind>_ms; the prediction pred_speedup_vs_full_<kind>)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
+    ap.add_argument("--profile-summary", default=None, metavar="MD",
+                    help="write to MD a torch.profiler summary (CPU + CUDA activity) of one plain step and "
+                         "one draft step of the first cell: wall, host op time, device busy time, top ops")
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, run each of our forwards 3 more times under torch.profiler and "
                          "record where the fastest one's time went (profile_ms: our attention ops, the linear "
@@ -338,6 +393,10 @@ def main(argv=None):
             fns, ours = cell_forwards(model, cell, args.gamma, dws, leans)
             best = time_cell(model, cell, fns, ours, dws, args.reps)
             prof = profile_cell(model, cell, fns, ours, dws, best) if args.profile else None
+            if args.profile_summary:
+                with open(args.profile_summary, "w") as f:
+                    f.write(profile_summary(model, cell, fns, dws, args))
+                args.profile_summary = None  # the first cell only
             rec = dict(cell_record(args, model, packed, dws, cell, best), lean_draft=bool(leans))
             if prof:
                 rec["profile_ms"] = prof
