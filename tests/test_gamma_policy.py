@@ -384,12 +384,14 @@ def test_auto_greedy_equals_plain_greedy(family, batch, cheap, monkeypatch):
     assert s["gamma_policy"] == "auto" and s["num_speculative_tokens"] == 8  # "auto": the default cap
     assert len(s["num_accepted_tokens_per_pos"]) == 8
     assert len(s["gamma_per_iteration"]) == s["num_iterations"] == sum(s["gamma_histogram"])
-    assert s["gamma_per_iteration"][:2] == [2, 0]  # the warm-up
+    # the warm-up: 2 drafts; the prefill's last forward and this verification time two token counts,
+    # so no plain step is needed to start the cost model
+    assert s["gamma_per_iteration"][0] == 2
     if cheap:
         gs = s["gamma_per_iteration"]
-        assert max(gs) >= 4 and s["num_accepted_tokens"] > 0
+        assert max(gs) >= 4 and s["num_accepted_tokens"] > 0 and gs[1] > 0
         # plain steps do not score blocks: drafting after one takes a scoring plain step first
-        assert gs[2] == 0 and all(gs[i - 1] == gs[i - 2] == 0 for i in range(2, len(gs)) if gs[i] and not gs[i - 1])
+        assert all(gs[i - 1] == gs[i - 2] == 0 for i in range(2, len(gs)) if gs[i] and not gs[i - 1])
 
 
 def test_auto_is_the_default_and_full_ignores_it():

@@ -283,7 +283,13 @@ def prefill(state: DecodeState, aligned: Tensor, prompt_lens: Tensor, n0: int,
     idx0 = pre[:, None] + torch.arange(n0, device=device)[None, :]
     st.mode = "verify"
     cache.begin_forward(n0)
+    state.settings.sync()
+    t0 = time.perf_counter()
     logits = state.forward(aligned.gather(1, idx0), idx0, 1)[:, -1]
+    state.settings.sync()
+    observe = getattr(state.settings.policy, "observe_prefill", None)
+    if observe is not None:  # a verification of n0 tokens per row: the cost model's first point
+        observe(B * n0, B, time.perf_counter() - t0)
     cache.commit(prompt_lens)
     state.rows = torch.arange(B, device=device)
     state.n_gen = torch.zeros(B, dtype=torch.long, device=device)

@@ -124,8 +124,9 @@ class AcceptanceEstimate:
     """
 
     def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 4.0,
-                 decay: float = 0.97):
+                 decay: float = 0.97, chained: bool = False):
         self.prior_acceptance, self.prior_weight, self.decay = float(prior_acceptance), float(prior_weight), decay
+        self.chained = bool(chained)
         self.tries = [0.0] * max_gamma
         self.successes = [0.0] * max_gamma
 
@@ -135,9 +136,19 @@ class AcceptanceEstimate:
         return (sum(self.successes) + w * self.prior_acceptance) / (sum(self.tries) + w)
 
     def rates(self) -> List[float]:
-        """``[max_gamma]`` estimates ``a_i``."""
+        """``[max_gamma]`` estimates ``a_i``. ``chained``: position ``i``'s prior is the larger of
+        the pooled rate and position ``i - 1``'s estimate -- a draft that follows accepted drafts
+        is accepted at least as often (measured: conditional acceptance rises with the position),
+        so positions rarely drafted are not held at the pooled rate, which the first position,
+        the most drafted and least accepted, dominates."""
         w, pooled = self.prior_weight, self.pooled()
-        return [(s + w * pooled) / (n + w) for s, n in zip(self.successes, self.tries)]
+        out, prior = [], pooled
+        for s, n in zip(self.successes, self.tries):
+            a = (s + w * prior) / (n + w)
+            out.append(a)
+            if self.chained:
+                prior = max(pooled, a)
+        return out
 
     def upper(self, exploration: float) -> List[float]:
         """``[max_gamma]`` optimistic estimates ``a_i + exploration * sqrt(a_i (1 - a_i) / n)``,
@@ -368,7 +379,7 @@ class AutoGamma(GammaPolicy):
             g = 0
         elif it == 0:
             g = min(self.first_gamma, hi)
-        elif it == 1 or self.costs.t_plain is None:
+        elif self._warming_up(it):
             g = 0
         else:
             g = self._best(caps, hi)
@@ -379,6 +390,11 @@ class AutoGamma(GammaPolicy):
                 g = self._probe(caps, hi)
         self.history.append(g)
         return g
+
+    def _warming_up(self, it: int) -> bool:
+        """Whether iteration ``it`` (``>= 1``) is a plain step that measures the costs: the second,
+        and any until a plain step was timed."""
+        return it == 1 or self.costs.t_plain is None
 
     def _best(self, caps: Tensor, hi: int) -> int:
         """The best ``g`` by the estimates (plain steps favoured by ``margin``), or the best
@@ -481,66 +497,101 @@ class TokenCostModel:
     """Iteration costs of a batch whose rows draft their own number of tokens, in seconds.
 
     A verification of ``n`` tokens (each row's last token and its drafts, packed) costs
-    ``c0 + c1 n``: the weights are read once per forward (``c0``) and every token pays its linears
-    and its attention over its row's context (``c1``). Fitted by least squares over the medians per
-    ``n`` of the last ``window`` verification passes *and* of the last plain steps (``n`` = the
-    batch's rows): the ragged token counts and the plain steps spread the points, so the line does
-    not swing with the noise of a few passes at one ``q`` (what fitting ``c0 + c1 q`` with one
-    ``q`` per batch did). ``c0, c1 >= 0``. A draft step: the median of the last ``window`` at the
-    current row count (every row drafts in every step). Selection: the median of the last ``window``.
+    ``c0 + c1 n``: the weights and the KV cache are read once per forward (``c0``) and every token
+    pays its linears and its attention over its row's context (``c1``). A draft step of ``r`` rows
+    costs ``d0 + d1 r`` likewise. Each line is fitted by least squares through the medians of the
+    last ``window`` timings *per* token (row) count, so the points the line rests on -- the
+    prefill's last forward, a plain step, the token counts that ragged drafts spread -- are not
+    flushed out by a run of iterations at one count, and the noise of a few passes does not swing
+    it (what fitting ``c0 + c1 q`` over the last passes at one ``q`` per batch did: 18.7 + 43.8 q
+    and 210 + 0 q ms in two runs of one cell). Until two counts were timed the lines take the
+    conservative reading: verification all per token (drafting looks dear), a step of some rows
+    as dear as one of all. ``c0, c1, d0, d1 >= 0``. Rows leaving the batch (:meth:`keep_rows`)
+    change what a forward reads, so the verification timings start over then.
     """
 
-    def __init__(self, window: int = 16):
+    def __init__(self, window: int = 5):
         self.window = int(window)
-        self.t_plain: Optional[float] = None  # seconds of the latest plain steps (median)
-        self._plain: List[Tuple[int, float]] = []  # (rows, seconds) of unscored plain steps
-        self._verify: List[Tuple[int, float]] = []  # (tokens, seconds) of scored verification passes
-        self._draft: List[Tuple[int, float]] = []  # (rows, seconds of one draft step)
+        self._verify: Dict[Tuple[int, int], List[float]] = {}  # (rows, tokens) -> seconds of scored passes
+        self._plain: Dict[int, List[float]] = {}  # rows -> seconds of its last unscored plain steps
+        self._draft: Dict[int, List[float]] = {}  # rows -> seconds of its last draft steps
         self._select: List[float] = []
         self.subsets = False  # whether the latest drafts could run on some rows only
+        self.rows = 0  # the batch's rows at the latest timing
 
-    def _push(self, xs: list, x) -> None:
-        xs.append(x)
+    def _push(self, by: dict, key, t: float) -> None:
+        xs = by.setdefault(key, [])
+        xs.append(t)
         del xs[: -self.window]
+
+    @property
+    def t_plain(self) -> Optional[float]:
+        """Seconds of a plain step of the current batch (latest medians), or None before one."""
+        return _median(self._plain[self.rows]) if self._plain.get(self.rows) else None
 
     def observe(self, c: IterationCosts) -> None:
         """Record one iteration (``c.tokens`` and ``c.rows`` must be given)."""
         if c.tokens <= 0 or c.rows <= 0:
             raise ValueError("TokenCostModel.observe: IterationCosts.tokens and .rows must be > 0")
+        self.rows = c.rows
         if c.gamma == 0 and not c.scored:
-            self._push(self._plain, (c.rows, c.verify))
-            self.t_plain = _median([t for r, t in self._plain if r == c.rows])
+            self._push(self._plain, c.rows, c.verify)
         else:
-            self._push(self._verify, (c.tokens, c.verify))
+            self._push(self._verify, (c.rows, c.tokens), c.verify)
         if c.gamma:
             self.subsets = c.draft_steps is not None
             for r, t in (c.draft_steps or [(c.rows, c.draft / c.gamma)]):
-                self._push(self._draft, (r, t))
+                self._push(self._draft, r, t)
             if c.select > 0:
-                self._push(self._select, c.select)
+                self._select.append(c.select)
+                del self._select[: -self.window]
 
-    def verify_fit(self) -> Tuple[float, float]:
-        """``(c0, c1)`` seconds of ``verify(n) = c0 + c1 n`` (``(0, 0)`` before any timing)."""
-        return _line_fit(self._plain + self._verify)
+    def _verify_points(self, rows: int) -> Dict[int, List[float]]:
+        """Verification timings per token count for a batch of ``rows`` rows (a plain step is a
+        verification of ``rows`` tokens); those of every batch size while ``rows``' own do not yet
+        span two token counts (rows left the batch lately)."""
+        own = {n: list(v) for (r, n), v in self._verify.items() if r == rows}
+        if self._plain.get(rows):
+            own.setdefault(rows, []).extend(self._plain[rows])
+        if len(own) >= 2:
+            return own
+        every: Dict[int, List[float]] = {}
+        for (_, n), v in self._verify.items():
+            every.setdefault(n, []).extend(v)
+        for r, v in self._plain.items():
+            every.setdefault(r, []).extend(v)
+        return every
+
+    def ready(self) -> bool:
+        """Whether verification was timed at two token counts at least (the line is determined)."""
+        return len(self._verify_points(self.rows)) >= 2
+
+    def verify_fit(self, rows: Optional[int] = None) -> Tuple[float, float]:
+        """``(c0, c1)`` seconds of the line ``verify(n) = c0 + c1 n`` for ``rows`` rows (default the
+        current batch; ``(0, 0)`` before any timing)."""
+        return _line_fit(self._verify_points(self.rows if rows is None else rows), one="origin")
+
+    def verify(self, tokens: int, rows: int) -> float:
+        """Seconds of a verification of ``tokens`` tokens over ``rows`` rows: the recent median where
+        timed, else interpolated between the nearest timed counts (the cost is no line: packed
+        linears get faster per row as rows grow), else the line from the nearest timed count."""
+        return _curve(self._verify_points(rows), tokens, one="origin")
 
     def draft_fit(self) -> Tuple[float, float]:
-        """``(d0, d1)`` seconds of a draft step of ``r`` rows, ``d0 + d1 r`` (steps of some rows only)."""
-        return _line_fit(self._draft)
+        """``(d0, d1)`` seconds of a draft step of ``r`` rows, ``d0 + d1 r``."""
+        return _line_fit(self._draft, one="flat")
 
     def plain(self, rows: int) -> float:
-        """Seconds of a plain step of ``rows`` rows: its recent median, else the fitted line."""
-        seen = [t for r, t in self._plain if r == rows]
-        if seen:
-            return _median(seen)
-        c0, c1 = self.verify_fit()
-        return c0 + c1 * rows
+        """Seconds of a plain step of ``rows`` rows: its recent median, else from the verification."""
+        if self._plain.get(rows):
+            return _median(self._plain[rows])
+        return self.verify(rows, rows)
 
     def draft_step(self, rows: int) -> float:
         """Seconds of one draft step of ``rows`` rows: the recent median at that row count, else
         the fitted line (0 before any was timed)."""
-        seen = [t for r, t in self._draft if r == rows]
-        if seen:
-            return _median(seen)
+        if self._draft.get(rows):
+            return _median(self._draft[rows])
         d0, d1 = self.draft_fit()
         return d0 + d1 * rows
 
@@ -551,21 +602,21 @@ class TokenCostModel:
         ``gamma`` steps of all rows."""
         if gamma == 0:
             return self.plain(rows)
-        c0, c1 = self.verify_fit()
-        verify = max(c0 + c1 * tokens, self.plain(rows))  # more tokens than a plain step: never cheaper
+        verify = max(self.verify(tokens, rows), self.plain(rows))  # more tokens than a plain step: never cheaper
+        drafting = gamma * self.draft_step(rows)
         if self.subsets:
             d0, d1 = self.draft_fit()
-            drafting = min(gamma * d0 + d1 * (tokens - rows), gamma * self.draft_step(rows))
-        else:
-            drafting = gamma * self.draft_step(rows)
+            drafting = min(drafting, gamma * d0 + d1 * (tokens - rows))
         return verify + drafting + _median(self._select, 0.0)
 
     def stats(self) -> dict:
-        """``cost_t_*_ms``: plain step, draft step, selection and the verify line (per token) in ms."""
+        """``cost_t_*_ms``: plain step, draft step (all rows), selection and the verify line in ms."""
         c0, c1 = self.verify_fit()
+        d0, d1 = self.draft_fit()
         return {
             "cost_t_plain_ms": None if self.t_plain is None else 1000 * self.t_plain,
-            "cost_t_draft_ms": None if not self._draft else 1000 * _median([t for _, t in self._draft]),
+            "cost_t_draft_ms": None if not self._draft else 1000 * self.draft_step(max(self._draft)),
+            "cost_t_draft_c0_ms": 1000 * d0, "cost_t_draft_per_row_ms": 1000 * d1,
             "cost_t_select_ms": None if not self._select else 1000 * _median(self._select),
             "cost_t_verify_c0_ms": 1000 * c0,
             "cost_t_verify_per_token_ms": 1000 * c1,
@@ -588,7 +639,7 @@ class RowGamma(AutoGamma):
 
     name = "auto"
 
-    def __init__(self, max_gamma: int, window: int = 16, **kwargs):
+    def __init__(self, max_gamma: int, window: int = 5, **kwargs):
         kwargs.pop("cost_ema", None)
         super().__init__(max_gamma, window=window, **kwargs)
         self.costs = TokenCostModel(window)
@@ -596,10 +647,19 @@ class RowGamma(AutoGamma):
         self.row_choices = [0] * (self.max_gamma + 1)  # row-iterations per g
         self._upper = False  # the current choice came from the upper-bound acceptance
 
+    def _warming_up(self, it: int) -> bool:
+        """A plain step measures the costs only while the verification has been timed at one token
+        count (the prefill's last forward, a verification of ``B x n0`` tokens, gives a second)."""
+        return not self.costs.ready()
+
+    def observe_prefill(self, tokens: int, rows: int, seconds: float) -> None:
+        """The prefill's last forward: a scored verification of ``tokens`` tokens over ``rows`` rows."""
+        self.costs.observe(IterationCosts(0, 0.0, seconds, 0.0, scored=True, tokens=tokens, rows=rows))
+
     def _rows(self, n: int) -> List[AcceptanceEstimate]:
         while len(self.row_acc) < n:
             self.row_acc.append(AcceptanceEstimate(self.max_gamma, self.acc.prior_acceptance, self.acc.prior_weight,
-                                                   self.acc.decay))
+                                                   self.acc.decay, chained=True))
         pooled = self.acc.pooled()
         for r in self.row_acc:
             r.prior_acceptance = pooled
@@ -790,16 +850,17 @@ class PerRequestGamma:
                 "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
 
 
-def _line_fit(obs: List[Tuple[int, float]]) -> Tuple[float, float]:
-    """``(a, b)`` of ``t = a + b n`` through ``(n, t)`` observations: weighted least squares over the
-    medians per ``n`` (weights: observations per ``n``), ``a, b >= 0``; one ``n``: the line through
-    the origin (all of the cost per unit, the pessimistic reading); none: ``(0, 0)``."""
-    by_n: Dict[int, List[float]] = {}
-    for n, t in obs:
-        by_n.setdefault(n, []).append(t)
-    pts = [(n, _median(v), len(v)) for n, v in by_n.items()]
+def _line_fit(by_n: Dict[int, List[float]], one: str = "origin") -> Tuple[float, float]:
+    """``(a, b)`` of ``t = a + b n`` through timings per ``n``: weighted least squares over the
+    medians per ``n`` (weights: timings per ``n``), ``a, b >= 0``. With one ``n`` timed, ``one``
+    says which line: ``"origin"`` (through 0: all of it per unit) or ``"flat"`` (``b = 0``); none:
+    ``(0, 0)``."""
+    pts = [(n, _median(v), len(v)) for n, v in by_n.items() if v]
     if not pts:
         return 0.0, 0.0
+    if len(pts) == 1:
+        n, t, _ = pts[0]
+        return (0.0, t / n) if one == "origin" else (t, 0.0)
     sw = sum(w for _, _, w in pts)
     mn = sum(n * w for n, _, w in pts) / sw
     mt = sum(t * w for _, t, w in pts) / sw
@@ -813,6 +874,23 @@ def _line_fit(obs: List[Tuple[int, float]]) -> Tuple[float, float]:
     if a < 0:
         return 0.0, sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts)
     return a, b
+
+
+def _curve(by_n: Dict[int, List[float]], n: int, one: str = "origin") -> float:
+    """Timing at ``n`` from timings per count: the median at ``n``; between two timed counts the
+    interpolation of their medians; outside them the nearest count's median plus the slope of
+    :func:`_line_fit` (0 before any timing)."""
+    pts = sorted((k, _median(v)) for k, v in by_n.items() if v)
+    if not pts:
+        return 0.0
+    for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+        if n0 <= n <= n1:
+            return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+    a, b = _line_fit(by_n, one)
+    if len(pts) == 1:
+        return a + b * n
+    k, t = pts[0] if n < pts[0][0] else pts[-1]
+    return max(0.0, t + b * (n - k))
 
 
 def _median(xs: List[float], empty=None):
