@@ -225,15 +225,20 @@ def vegas_attention_forward(
     raise RuntimeError(f"vegas attention: unknown mode {mode!r}")
 
 
+_VERIFY_CPU = torch.ops.vegas.verify_attention.default if ops.has_compiled_kernel("verify_attention", "cpu") else None
+
+
 def _packed_verify(st: AttentionState, layer: int, q: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
     """Verification of packed rows (``q`` ``[1, N, H_q, D]``): each row's queries over its own
     cache row (views, no copies), its block scores into ``st.block_scores[layer, row]``; rows
     without tokens keep their scores. Returns ``[1, N, H_q, D]``."""
     out = torch.empty_like(q)
     seq = st.cache.seq_lens
+    # the rows' slices of one checked forward: straight to the CPU kernel (4-8 calls per layer)
+    verify = _VERIFY_CPU if q.device.type == "cpu" and _VERIFY_CPU is not None else ops.verify_attention
     for b, s, n in st.packed:
-        o, _lse, scores = ops.verify_attention(q[:, s:s + n], key[b:b + 1], value[b:b + 1], seq[b:b + 1],
-                                               st.block_size, scaling, st.weights_for(n))
+        o, _lse, scores = verify(q[:, s:s + n], key[b:b + 1], value[b:b + 1], seq[b:b + 1],
+                                 st.block_size, scaling, st.weights_for(n))
         out[:, s:s + n] = o
         if st.block_scores is not None:
             st.block_scores[layer, b].copy_(scores[0])

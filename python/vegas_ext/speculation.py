@@ -459,7 +459,7 @@ class AutoGamma(GammaPolicy):
 
 
 def allocate_drafts(marginal: List[List[float]], caps: List[int], gamma: int,
-                    cost) -> Tuple[float, List[int]]:
+                    cost, uniform_margin: float = 0.0) -> Tuple[float, List[int]]:
     """The best drafts per row for one iteration of at most ``gamma`` draft steps.
 
     Args:
@@ -469,6 +469,9 @@ def allocate_drafts(marginal: List[List[float]], caps: List[int], gamma: int,
         gamma: the draft steps of the iteration (every row drafts in each of them).
         cost: ``n_tokens -> seconds`` of the iteration when its verification takes ``n_tokens``
             tokens (each decoding row's last token plus its verified drafts).
+        uniform_margin: the drafts differ between rows only where that beats every row drafting
+            ``min(gamma, cap)`` by this fraction (rows with one draft count verify in one batched
+            pass, without the packed pass's per-row calls).
 
     Returns:
         ``(rate, drafts)``: expected emitted tokens per second and per row the drafts to verify.
@@ -490,6 +493,13 @@ def allocate_drafts(marginal: List[List[float]], caps: List[int], gamma: int,
             best_rate, best_k = r, k
     for _, b in steps[:best_k]:
         drafts[b] += 1
+    if uniform_margin > 0:
+        uni = [max(0, min(gamma, caps[b])) if caps[b] >= 0 else 0 for b in range(len(caps))]
+        if uni != drafts:
+            t = n + sum(sum(marginal[b][: uni[b]]) for b in active)
+            u_rate = t / max(cost(n + sum(uni)), 1e-12)
+            if best_rate < u_rate * (1.0 + uniform_margin):
+                return u_rate, uni
     return best_rate, drafts
 
 
@@ -518,6 +528,7 @@ class TokenCostModel:
         self._select: List[float] = []
         self.subsets = False  # whether the latest drafts could run on some rows only
         self.rows = 0  # the batch's rows at the latest timing
+        self._observed, self._memo_of, self._memos = 0, -1, {}
 
     def _push(self, by: dict, key, t: float) -> None:
         xs = by.setdefault(key, [])
@@ -533,6 +544,7 @@ class TokenCostModel:
         """Record one iteration (``c.tokens`` and ``c.rows`` must be given)."""
         if c.tokens <= 0 or c.rows <= 0:
             raise ValueError("TokenCostModel.observe: IterationCosts.tokens and .rows must be > 0")
+        self._observed += 1
         self.rows = c.rows
         if c.gamma == 0 and not c.scored:
             self._push(self._plain, c.rows, c.verify)
@@ -546,7 +558,18 @@ class TokenCostModel:
                 self._select.append(c.select)
                 del self._select[: -self.window]
 
+    def _memo(self, key, fn):
+        """``fn()``, remembered until the next :meth:`observe` (a choice prices many drafts)."""
+        if self._memo_of != self._observed:
+            self._memo_of, self._memos = self._observed, {}
+        if key not in self._memos:
+            self._memos[key] = fn()
+        return self._memos[key]
+
     def _verify_points(self, rows: int) -> Dict[int, List[float]]:
+        return self._memo(("points", rows), lambda: self._points(rows))
+
+    def _points(self, rows: int) -> Dict[int, List[float]]:
         """Verification timings per token count for a batch of ``rows`` rows (a plain step is a
         verification of ``rows`` tokens); those of every batch size while ``rows``' own do not yet
         span two token counts (rows left the batch lately)."""
@@ -575,11 +598,11 @@ class TokenCostModel:
         """Seconds of a verification of ``tokens`` tokens over ``rows`` rows: the recent median where
         timed, else interpolated between the nearest timed counts (the cost is no line: packed
         linears get faster per row as rows grow), else the line from the nearest timed count."""
-        return _curve(self._verify_points(rows), tokens, one="origin")
+        return self._memo(("verify", tokens, rows), lambda: _curve(self._verify_points(rows), tokens, one="origin"))
 
     def draft_fit(self) -> Tuple[float, float]:
         """``(d0, d1)`` seconds of a draft step of ``r`` rows, ``d0 + d1 r``."""
-        return _line_fit(self._draft, one="flat")
+        return self._memo("draft", lambda: _line_fit(self._draft, one="flat"))
 
     def plain(self, rows: int) -> float:
         """Seconds of a plain step of ``rows`` rows: its recent median, else from the verification."""
@@ -646,6 +669,8 @@ class RowGamma(AutoGamma):
         self.row_acc: List[AcceptanceEstimate] = []
         self.row_choices = [0] * (self.max_gamma + 1)  # row-iterations per g
         self._upper = False  # the current choice came from the upper-bound acceptance
+        self._cache: Optional[dict] = None  # within one choice: per-row marginal gains by acceptance
+        self._prices: dict = {}  # within one choice: iteration seconds by (g, rows) and tokens
 
     def _warming_up(self, it: int) -> bool:
         """A plain step measures the costs only while the verification has been timed at one token
@@ -668,6 +693,10 @@ class RowGamma(AutoGamma):
     def acceptance_upper(self):
         """Per row, its optimistic estimates (``exploration`` standard errors above)."""
         self._upper = True
+        if self._cache is not None:
+            if "upper" not in self._cache:
+                self._cache["upper"] = [r.upper(self.exploration) for r in self.row_acc]
+            return self._cache["upper"]
         return [r.upper(self.exploration) for r in self.row_acc]
 
     def _marginal(self, caps: Tensor, acceptance) -> List[List[float]]:
@@ -690,8 +719,25 @@ class RowGamma(AutoGamma):
     def _allocate(self, g: int, caps: Tensor, acceptance=None) -> Tuple[float, List[int]]:
         c = caps.tolist()
         rows = sum(1 for x in c if x >= 0)
-        return allocate_drafts(self._marginal(caps, acceptance), c, g,
-                               lambda n: self.costs.iteration(g, n, rows))
+        key = (id(acceptance), caps.numel()) if acceptance is not None else None
+        if self._cache is not None and key in self._cache:
+            marginal = self._cache[key]
+        else:
+            marginal = self._marginal(caps, acceptance)
+            if self._cache is not None:
+                self._cache[key] = marginal
+        price = self._prices.get((g, rows)) if self._cache is not None else None
+        if price is None:
+            price = {}
+            if self._cache is not None:
+                self._prices[(g, rows)] = price
+
+        def cost(n: int) -> float:
+            if n not in price:
+                price[n] = self.costs.iteration(g, n, rows)
+            return price[n]
+
+        return allocate_drafts(marginal, c, g, cost, self.margin)
 
     def rate(self, g: int, caps: Tensor, acceptance=None, optimistic: bool = False) -> float:
         """Expected emitted tokens per second of the best drafts per row with ``g`` draft steps."""
@@ -703,13 +749,17 @@ class RowGamma(AutoGamma):
     def choose_rows(self, caps: Tensor) -> Tensor:
         self._rows(caps.numel())
         self._upper = False
-        g = self.choose(caps, int(caps.max()))
-        if g == 0:
-            drafts = [0] * caps.numel()
-        else:
-            _, drafts = self._allocate(g, caps, self.acceptance_upper() if self._upper else None)
-            if not any(drafts):  # warm-up or a probe: every row drafts, to measure
-                drafts = caps.clamp(min=0, max=g).tolist()
+        self._cache, self._prices = {}, {}  # one choice: the estimates and costs hold still
+        try:
+            g = self.choose(caps, int(caps.max()))
+            if g == 0:
+                drafts = [0] * caps.numel()
+            else:
+                _, drafts = self._allocate(g, caps, self.acceptance_upper() if self._upper else None)
+                if not any(drafts):  # warm-up or a probe: every row drafts, to measure
+                    drafts = caps.clamp(min=0, max=g).tolist()
+        finally:
+            self._cache = None
         for d, c in zip(drafts, caps.tolist()):
             if c >= 0:
                 self.row_choices[d] += 1
