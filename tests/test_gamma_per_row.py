@@ -139,3 +139,24 @@ def test_ragged_drafts_equal_plain_greedy(family, algorithm, monkeypatch):
     assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
     s = out.stats
     assert s["num_verified_tokens"] < 4 * 5 * s["num_iterations"]  # rows verified their own counts
+
+
+def test_finished_rows_stay_in_the_batch_without_copies_where_they_cost_nothing():
+    """On the lean draft path a finished row costs nothing (packed verifications give it no tokens,
+    draft steps skip it), so it stays in the batch instead of a copy of the cache; every row still
+    decodes what it decodes alone."""
+    from test_batch_compaction import LENGTHS, NEW, SPARSE as SPARSE_C, _case
+
+    model, ids, mask, eos, _ = _case("llama")
+    out = vegas_ext.generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=3, gamma_policy="fixed",
+                             eos_token_id=eos, **SPARSE_C)
+    assert out.stats["time_compact_s"] == 0
+    T = ids.shape[1]
+    ends = set()
+    for b, L in enumerate(LENGTHS):
+        row = ids[b: b + 1, T - L:]
+        ref = hf_greedy(model, row, torch.ones_like(row), NEW, eos_token_id=eos)[0, L:]
+        got = out.sequences[b, T:]
+        assert torch.equal(got[: ref.numel()], ref), f"row {b}: {first_diff(got[None, : ref.numel()], ref[None])}"
+        ends.add(ref.numel())
+    assert len(ends) >= 3  # rows ended at different steps

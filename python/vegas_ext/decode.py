@@ -554,7 +554,9 @@ def iteration(state: DecodeState, num_drafts: Tensor, score: bool = True) -> Opt
     cfg.policy.observe_iteration(IterationCosts(g, t2 - t1, t3 - t2, t_sel, scored=score, tokens=tokens,
                                                 rows=drafts.shape[0], draft_steps=steps if subsets else None),
                                  drafted, matched)
-    if cfg.compact and bool(state.done.any()) and not bool(state.done.all()):
+    # finished rows leave the batch (a copy of the cache) unless they already cost nothing: a
+    # packed verification gives them no tokens and draft steps of some rows skip them
+    if cfg.compact and bool(state.done.any()) and not bool(state.done.all()) and not _subset_drafts(state):
         keep = drop_finished_rows(state)
         cfg.sync()
         stats.time_compact_s += time.perf_counter() - t3

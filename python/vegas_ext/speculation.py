@@ -684,7 +684,7 @@ class RowGamma(AutoGamma):
     def _rows(self, n: int) -> List[AcceptanceEstimate]:
         while len(self.row_acc) < n:
             self.row_acc.append(AcceptanceEstimate(self.max_gamma, self.acc.prior_acceptance, self.acc.prior_weight,
-                                                   self.acc.decay, chained=True))
+                                                   self.acc.decay))
         pooled = self.acc.pooled()
         for r in self.row_acc:
             r.prior_acceptance = pooled
