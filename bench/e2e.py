@@ -285,7 +285,8 @@ def _add_grid_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--algorithms", type=_csv(str), default=["hf", "full", "vegas"],
                     help="hf (HF generate), full, vegas, streamingllm, quest or any registered selection algorithm, "
                          "optionally with options after slashes: vegas/first_last, vegas/shared, vegas/refresh=4, "
-                         "vegas/bs=64 (overrides --block-sizes), combinable (vegas/shared/first_last) "
+                         "vegas/bs=64 (overrides --block-sizes), quest/g=auto (this spec's gamma only, run once "
+                         "beside a --num-speculative-tokens sweep), combinable (vegas/shared/first_last) "
                          "(default hf,full,vegas)")
     ap.add_argument("--num-speculative-tokens", type=_csv(int, ("auto",)), default=["auto"],
                     help="gamma values for sparse algorithms: integers and/or auto (chosen per iteration, "
@@ -360,10 +361,10 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
     from ``--query-weights``, ``--share-selection``, ``--refresh-interval``). Raises ``ValueError``
     on an unknown option."""
     name, *opts = spec.split("/")
-    out = {"algorithm": name, "variant": "/".join(opts),
+    out = {"algorithm": name, "variant": "/".join(o for o in opts if not o.startswith("g=")),
            "query_weights": args.query_weights, "share_selection_across_heads": args.share_selection,
            "selection_refresh_interval": args.refresh_interval, "block_size_override": None,
-           "draft_weights_override": None}
+           "draft_weights_override": None, "gamma_override": None}
     for o in opts:
         if o in ("first_last", "all"):
             out["query_weights"] = o
@@ -375,6 +376,9 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
             out["block_size_override"] = int(o.split("=", 1)[1])
         elif o.startswith("dw="):
             out["draft_weights_override"] = o.split("=", 1)[1]
+        elif o.startswith("g="):  # this spec's gamma only (e.g. rivals at auto beside a gamma sweep)
+            v = o.split("=", 1)[1]
+            out["gamma_override"] = v if v == "auto" else int(v)
         else:
             raise ValueError(f"unknown algorithm option {o!r} in {spec!r}")
     return out
@@ -399,17 +403,21 @@ def configurations(args) -> List[Dict[str, Any]]:
         if a in ("hf", "full"):
             continue
         spec = parse_algorithm_spec(a, args)
-        opts = {k: v for k, v in spec.items() if k not in ("algorithm", "block_size_override", "draft_weights_override")}
+        opts = {k: v for k, v in spec.items()
+                if k not in ("algorithm", "block_size_override", "draft_weights_override", "gamma_override")}
         specs.append((spec, opts))
     for g in args.num_speculative_tokens:
         for r in args.ratios:
             for bs in args.block_sizes:
-                for spec, opts in specs:  # a variant with its own block size runs at every --block-sizes slot once
+                for spec, opts in specs:  # a variant with its own block size (gamma) runs at one slot
                     if spec["block_size_override"] and bs != args.block_sizes[0]:
+                        continue
+                    if spec["gamma_override"] is not None and g != args.num_speculative_tokens[0]:
                         continue
                     bsz = spec["block_size_override"] or bs or SELECTION_ALGORITHMS[spec["algorithm"]].default_block_size
                     for dw in ([spec["draft_weights_override"]] if spec["draft_weights_override"] else args.draft_weights):
-                        cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": g, "sparse_attn_ratio": r,
+                        gg = g if spec["gamma_override"] is None else spec["gamma_override"]
+                        cfgs.append({"algorithm": spec["algorithm"], "num_speculative_tokens": gg, "sparse_attn_ratio": r,
                                      "block_size": bsz, **opts, "draft_weights": None if dw == "none" else dw})
     return cfgs
 
