@@ -503,7 +503,7 @@ def advance(state: DecodeState) -> None:
     plain iteration (no drafts) does not score blocks; when drafts follow one and the strategy reads
     verification scores, a plain iteration that scores them runs first."""
     cfg = state.settings
-    gs = cfg.policy.choose_rows(_draft_caps(state))
+    gs = torch.where(state.done, 0, cfg.policy.choose_rows(_draft_caps(state)))  # finished rows draft nothing
     if bool((gs > 0).any()) and cfg.strategy.needs_verify_scores and not state.scores_fresh:
         cfg.policy.note_plain_step()
         kept = iteration(state, torch.zeros_like(gs), score=True)
