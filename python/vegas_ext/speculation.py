@@ -231,19 +231,7 @@ class StepCostModel:
             t1 = _median(recent, 1.0)
             c1 = max(0.0, (t - t1) / (q - 1))
             return t - c1 * q, c1
-        sw = sum(w for _, _, w in pts)
-        mq = sum(q * w for q, _, w in pts) / sw
-        mt = sum(t * w for _, t, w in pts) / sw
-        vq = sum(w * (q - mq) ** 2 for q, _, w in pts)
-        if vq <= 1e-12 * sw:
-            return mt, 0.0
-        c1 = sum(w * (q - mq) * (t - mt) for q, t, w in pts) / vq
-        c0 = mt - c1 * mq
-        if c1 < 0:
-            return mt, 0.0
-        if c0 < 0:
-            return 0.0, sum(w * q * t for q, t, w in pts) / sum(w * q * q for q, _, w in pts)
-        return c0, c1
+        return _weighted_line(pts, "flat")
 
     def relative_cost(self, g: int, optimistic: bool = False) -> float:
         """Predicted time of an iteration with ``g`` drafts, in plain steps (1 for ``g = 0``); its
@@ -911,18 +899,28 @@ def _line_fit(by_n: Dict[int, List[float]], one: str = "origin") -> Tuple[float,
     if len(pts) == 1:
         n, t, _ = pts[0]
         return (0.0, t / n) if one == "origin" else (t, 0.0)
+    return _weighted_line(pts, "origin")
+
+
+def _weighted_line(pts: List[Tuple[int, float, float]], same_x: str) -> Tuple[float, float]:
+    """``(a, b)`` of ``t = a + b x``, ``a, b >= 0``, by weighted least squares through ``pts``
+    (``[(x, t, weight)]``, two points at least; :func:`_line_fit` and
+    :meth:`StepCostModel.verify_fit_ratio`). A falling line is flat at the weighted mean ``t``; a
+    negative intercept gives the line through the origin (least squares of ``t = b x``). With the
+    ``x`` not spread (``same_x``): ``"flat"`` (``b = 0``) or ``"origin"`` through the weighted mean
+    point."""
     sw = sum(w for _, _, w in pts)
-    mn = sum(n * w for n, _, w in pts) / sw
+    mx = sum(x * w for x, _, w in pts) / sw
     mt = sum(t * w for _, t, w in pts) / sw
-    vn = sum(w * (n - mn) ** 2 for n, _, w in pts)
-    if vn <= 1e-12 * sw:
-        return 0.0, mt / mn
-    b = sum(w * (n - mn) * (t - mt) for n, t, w in pts) / vn
-    a = mt - b * mn
+    vx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    if vx <= 1e-12 * sw:
+        return (mt, 0.0) if same_x == "flat" else (0.0, mt / mx)
+    b = sum(w * (x - mx) * (t - mt) for x, t, w in pts) / vx
+    a = mt - b * mx
     if b < 0:
         return mt, 0.0
     if a < 0:
-        return 0.0, sum(w * n * t for n, t, w in pts) / sum(w * n * n for n, _, w in pts)
+        return 0.0, sum(w * x * t for x, t, w in pts) / sum(w * x * x for x, _, w in pts)
     return a, b
 
 
