@@ -634,6 +634,30 @@ class TokenCostModel:
         }
 
 
+class _RowChoice:
+    """One choice of :class:`RowGamma` (built by :meth:`RowGamma.choose_rows`): the estimates and
+    costs hold still while its rule prices every ``g``, so the rows' marginal gains per acceptance
+    source and the iteration's seconds per ``(g, rows, tokens)`` are computed once per choice."""
+
+    def __init__(self):
+        self.upper_used = False  # the rule looked at the upper-bound acceptance (then drafts on it)
+        self.upper: Optional[List[List[float]]] = None  # per row, its optimistic estimates
+        # id(acceptance) -> (acceptance, per-row marginal gains); the source is held so its id stays its own
+        self._marginal: Dict[Optional[int], Tuple[object, List[List[float]]]] = {}
+        self._prices: Dict[Tuple[int, int], Dict[int, float]] = {}  # (g, rows) -> tokens -> seconds
+
+    def marginal_of(self, acceptance, make) -> List[List[float]]:
+        """The rows' marginal gains at ``acceptance`` (``None``: the estimates), ``make()`` once."""
+        key = None if acceptance is None else id(acceptance)
+        if key not in self._marginal:
+            self._marginal[key] = (acceptance, make())
+        return self._marginal[key][1]
+
+    def price(self, g: int, rows: int) -> Dict[int, float]:
+        """The memo ``tokens -> seconds`` of iterations of ``g`` draft steps over ``rows`` rows."""
+        return self._prices.setdefault((g, rows), {})
+
+
 class RowGamma(AutoGamma):
     """``auto`` with drafts per row (our loop's default): each row drafts its own ``g`` in
     ``0..max_gamma`` from its own acceptance and the batch's measured costs.
@@ -656,9 +680,7 @@ class RowGamma(AutoGamma):
         self.costs = TokenCostModel(window)
         self.row_acc: List[AcceptanceEstimate] = []
         self.row_choices = [0] * (self.max_gamma + 1)  # row-iterations per g
-        self._upper = False  # the current choice came from the upper-bound acceptance
-        self._cache: Optional[dict] = None  # within one choice: per-row marginal gains by acceptance
-        self._prices: dict = {}  # within one choice: iteration seconds by (g, rows) and tokens
+        self._choice: Optional[_RowChoice] = None  # while choose_rows runs
 
     def _warming_up(self, it: int) -> bool:
         """A plain step measures the costs only while the verification has been timed at one token
@@ -680,12 +702,13 @@ class RowGamma(AutoGamma):
 
     def acceptance_upper(self):
         """Per row, its optimistic estimates (``exploration`` standard errors above)."""
-        self._upper = True
-        if self._cache is not None:
-            if "upper" not in self._cache:
-                self._cache["upper"] = [r.upper(self.exploration) for r in self.row_acc]
-            return self._cache["upper"]
-        return [r.upper(self.exploration) for r in self.row_acc]
+        ch = self._choice
+        if ch is None:
+            return [r.upper(self.exploration) for r in self.row_acc]
+        ch.upper_used = True
+        if ch.upper is None:
+            ch.upper = [r.upper(self.exploration) for r in self.row_acc]
+        return ch.upper
 
     def _marginal(self, caps: Tensor, acceptance) -> List[List[float]]:
         rows = self._rows(caps.numel())
@@ -707,18 +730,11 @@ class RowGamma(AutoGamma):
     def _allocate(self, g: int, caps: Tensor, acceptance=None) -> Tuple[float, List[int]]:
         c = caps.tolist()
         rows = sum(1 for x in c if x >= 0)
-        key = (id(acceptance), caps.numel()) if acceptance is not None else None
-        if self._cache is not None and key in self._cache:
-            marginal = self._cache[key]
+        ch = self._choice
+        if ch is None:
+            marginal, price = self._marginal(caps, acceptance), {}
         else:
-            marginal = self._marginal(caps, acceptance)
-            if self._cache is not None:
-                self._cache[key] = marginal
-        price = self._prices.get((g, rows)) if self._cache is not None else None
-        if price is None:
-            price = {}
-            if self._cache is not None:
-                self._prices[(g, rows)] = price
+            marginal, price = ch.marginal_of(acceptance, lambda: self._marginal(caps, acceptance)), ch.price(g, rows)
 
         def cost(n: int) -> float:
             if n not in price:
@@ -736,18 +752,17 @@ class RowGamma(AutoGamma):
 
     def choose_rows(self, caps: Tensor) -> Tensor:
         self._rows(caps.numel())
-        self._upper = False
-        self._cache, self._prices = {}, {}  # one choice: the estimates and costs hold still
+        ch = self._choice = _RowChoice()
         try:
             g = self.choose(caps, int(caps.max()))
             if g == 0:
                 drafts = [0] * caps.numel()
             else:
-                _, drafts = self._allocate(g, caps, self.acceptance_upper() if self._upper else None)
+                _, drafts = self._allocate(g, caps, self.acceptance_upper() if ch.upper_used else None)
                 if not any(drafts):  # warm-up or a probe: every row drafts, to measure
                     drafts = caps.clamp(min=0, max=g).tolist()
         finally:
-            self._cache = None
+            self._choice = None
         for d, c in zip(drafts, caps.tolist()):
             if c >= 0:
                 self.row_choices[d] += 1
