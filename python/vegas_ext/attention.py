@@ -148,6 +148,19 @@ def active_state() -> Optional[AttentionState]:
     return _ACTIVE.get()
 
 
+def _state(kwargs: dict) -> Optional[AttentionState]:
+    """The state of the forward: the ``vegas_state`` keyword the decode loop passes with the model's
+    inputs (HF hands it down to every attention call; traceable by ``torch.compile``), else the
+    context's active one (not read while compiling: ``ContextVar`` is not traceable)."""
+    st = kwargs.pop("vegas_state", None)
+    if st is not None or _compiling():
+        return st
+    return _ACTIVE.get()
+
+
+_compiling = torch.compiler.is_compiling
+
+
 def vegas_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -174,7 +187,7 @@ def vegas_attention_forward(
         RuntimeError: in our modes, if the K/V are not our cache's buffers of that layer, or the
             prefill does not start from an empty cache.
     """
-    st = _ACTIVE.get()
+    st = _state(kwargs)
     if st is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -248,7 +261,7 @@ def _packed_verify(st: AttentionState, layer: int, q: Tensor, key: Tensor, value
 def vegas_attention_mask(*args, **kwargs):
     """transformers mask function (``AttentionMaskInterface`` signature): ``None`` while our decode
     loop runs (the ops mask by per-row lengths), else exactly transformers' ``sdpa_mask``."""
-    if _ACTIVE.get() is not None:
+    if not _compiling() and _ACTIVE.get() is not None:
         return None
     return sdpa_mask(*args, **kwargs)
 

@@ -387,6 +387,10 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     _opt("top_p", 1.0, "float", 0.0, 1.0, low_open=True, cli="--top-p", doors=("generate", "cli"),
          doc="nucleus filter (range checked with do_sample)"),
     _opt("return_cache", False, "bool", doors=("generate",), doc="also return the KV cache"),
+    _opt("compile_steps", False, "bool", cli="--compile-steps",
+         doc="run the draft, verification and plain steps under torch.compile(fullgraph=True), one graph per "
+             "(rows, tokens); on CUDA as CUDA graphs (mode='reduce-overhead'); finished rows stay in the batch "
+             "and rows verify equal token counts"),
 )}
 #: Options that were folded into others: name -> what to pass instead.
 RETIRED_OPTIONS: Mapping[str, str] = {
@@ -484,8 +488,9 @@ def check_generate_options(values: Mapping[str, Any], labels: Optional[Mapping[s
     out.update(check_speculation(values, labels))
     out.update(check_budget(values, labels))
     out.update(check_sampling(values, labels))
-    if "return_cache" in values:
-        out["return_cache"] = OPTIONS["return_cache"].check(values["return_cache"], _label("return_cache", labels))
+    for n in ("return_cache", "compile_steps"):
+        if n in values:
+            out[n] = OPTIONS[n].check(values[n], _label(n, labels))
     return out
 
 
@@ -524,6 +529,7 @@ class VegasConfig:
     top_k: int = _default("top_k")
     top_p: float = _default("top_p")
     return_cache: bool = _default("return_cache")
+    compile_steps: bool = _default("compile_steps")
 
     @classmethod
     def build(cls, values: Optional[Mapping[str, Any]] = None, *, door: str = "generate",

@@ -37,6 +37,7 @@ from . import config, prefill_cache as prefill_cache_mod
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .attention import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
 from .cache import VegasCache, model_device
+from .compiled_steps import CompiledSteps, compiled_steps, model_forward
 from .draft_forward import lean_draft
 from .draft_weights import cached_draft_weights
 from .selection import (
@@ -125,6 +126,7 @@ class DecodeSettings:
     streamer: object = None
     draft_weights: object = None
     lean_draft: object = None  # the draft forward (draft_forward.LeanDraft; False: the model's), made on first draft
+    compiled: Optional[CompiledSteps] = None
     logits_processor: Optional[Callable[[Tensor, Tensor], Tensor]] = None
     stopping_criteria: Optional[Callable[[Tensor, Optional[Tensor]], Tensor]] = None
     prompt_ids: Optional[Tensor] = None
@@ -174,9 +176,14 @@ class DecodeState:
         """One model forward over ``ids`` ``[B, Q]`` at positions ``pos`` into the cache; returns
         logits ``[B, keep or Q, V]``."""
         s = self.settings
-        out = s.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep, **{s.fwd_kw: self.cache})
+        mode = self.attn.mode
+        if s.compiled is None or mode == "prefill":  # a prompt's length is one shape per call: eager
+            logits = model_forward(s.model, s.fwd_kw, ids, pos, keep, self.cache, self.attn)
+        else:
+            logits = s.compiled.forward(s.model, s.fwd_kw, ids, pos, keep, self.cache, self.attn,
+                                        s.draft_weights if mode == "draft" else None)
         self.attn.check_forward(len(self.cache.layers))  # every layer ran through our attention
-        return out.logits
+        return logits
 
     def prefixes(self, ahead: Tensor, mask: Optional[Tensor] = None):
         """Yields ``(sel, pos, ids)`` per group of current rows (those in ``mask``, default all) with
@@ -371,7 +378,8 @@ def _subset_drafts(state: DecodeState) -> bool:
     ``draft_hook`` (Quest scores every row's blocks per step) and no logits processor (it sees the
     whole batch)."""
     cfg = state.settings
-    return bool(cfg.lean_draft) and state.attn.draft_hook is None and cfg.logits_processor is None
+    return (bool(cfg.lean_draft) and state.attn.draft_hook is None and cfg.logits_processor is None
+            and cfg.compiled is None)
 
 
 def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
@@ -384,6 +392,8 @@ def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
     lean, st = cfg.lean_draft, state.attn
     if lean is False:
         return lambda ids, pos: state.forward(ids, pos, 1)
+    if cfg.compiled is not None:
+        return lambda ids, pos: cfg.compiled.lean(lean, ids, pos, st)
     return lambda ids, pos: lean(ids, pos, st)
 
 
@@ -406,8 +416,8 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True, num_drafts: O
     ids = torch.cat([state.last_tok[:, None], drafts], 1)
     max_pos = state.settings.max_pos
     q_lens = None if num_drafts is None else torch.where(state.done, 0, num_drafts + 1)
-    if q_lens is not None and bool((q_lens == g + 1).all()):
-        q_lens = None
+    if q_lens is not None and (state.settings.compiled is not None or bool((q_lens == g + 1).all())):
+        q_lens = None  # compiled steps: one shape per (rows, tokens), rows past their drafts are not read
     state.selected = False
     scores, block_size = st.block_scores, st.block_size
     if not score:
@@ -969,11 +979,13 @@ def generate(
         do_sample=opts["do_sample"], generator=generator,
         warpers=make_warpers(opts["temperature"], opts["top_k"], opts["top_p"]) if opts["do_sample"] else None,
         eos=torch.tensor(eos_ids, dtype=torch.long, device=device), max_pos=max_pos,
-        sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None), compact=not cfg.return_cache,
+        sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None),
+        compact=not (cfg.return_cache or cfg.compile_steps),
         streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         prompt_ids=input_ids, pad_token_id=pad_token_id,
         # made (or refreshed) outside inference mode, so the cached copies are ordinary tensors
         draft_weights=_draft_copies(model, cfg.draft_weights) if plan.strategy.drafts and cfg.draft_weights else None,
+        compiled=compiled_steps(device) if cfg.compile_steps else None,
     )
     filler = pad_token_id if 0 <= pad_token_id < int(model.config.vocab_size) else 0
     aligned = _left_aligned(input_ids, keep, prompt_lens, filler)

@@ -46,7 +46,7 @@ import contextvars
 import threading
 import time
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -419,7 +419,10 @@ class DraftWeights:
     def linear(self, mod: nn.Module, x: Tensor, own_forward) -> Tensor:
         """``mod(x)`` on the low-precision copy of ``mod``'s weight (``own_forward(mod, x)``, the
         class's own, for a module without one: another model's, or one left out)."""
-        c = self.copy_of(mod)  # remade if edited or replaced since
+        if torch.compiler.is_compiling():  # a compiled step: the copies as refreshed when the call began
+            c = self._copies.get(id(mod))
+        else:
+            c = self.copy_of(mod)  # remade if edited or replaced since
         if c is None:
             return own_forward(mod, x)
         if c.mode != "cpu":
@@ -497,9 +500,14 @@ def _forward_owner(cls: type) -> type:
     return next(k for k in cls.__mro__ if "forward" in k.__dict__)
 
 
+#: the draft weights a compiled draft step reads (``ContextVar`` is not traceable): set only while
+#: :class:`~vegas_ext.compiled_steps.CompiledSteps` runs a draft step, under its lock
+TRACED: List[Optional["DraftWeights"]] = [None]
+
+
 def _wrapped_forward(own):
     def forward(self, x, *args, **kwargs):
-        dw = _ACTIVE.get()
+        dw = TRACED[0] if torch.compiler.is_compiling() else _ACTIVE.get()
         if dw is None or args or kwargs:
             return own(self, x, *args, **kwargs)
         return dw.linear(self, x, own)

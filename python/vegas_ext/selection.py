@@ -88,6 +88,11 @@ class SelectionContext:
     iteration: int = 0
 
 
+def _now() -> float:
+    """``time.perf_counter()``, 0 while compiling (see :meth:`QuestSelection._elapsed`)."""
+    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
+
+
 def budget_blocks(lengths: Tensor, cfg: SelectionConfig) -> Tensor:
     """Blocks per row for the draft: ``ceil(ceil(ratio * length) clamped to [min_tokens, max_tokens] / block_size)``
     (:func:`vegas_ext.config.budget_blocks`, the formula the vLLM plugin uses too).
@@ -333,13 +338,12 @@ class QuestSelection(SelectionStrategy):
             self._k, self._nc = self._k[rows], self._nc[rows]
 
     def _on_write(self, layer: int, k_cache: Tensor, start: Tensor) -> None:
-        t0 = time.perf_counter()
+        t0 = _now()
         st = self._state
         ops.block_minmax_update(self.key_min[layer], self.key_max[layer], k_cache, st.cache.seq_lens,
                                 start.to(torch.int32), self.cfg.block_size)
-        self._sync()
         phase = st.mode if st.mode in self.inline_select_time_s else "prefill"
-        self.inline_select_time_s[phase] += time.perf_counter() - t0
+        self.inline_select_time_s[phase] += self._elapsed(t0)
 
     def select(self, ctx: SelectionContext) -> None:
         """Per draft round: the budget and the candidate blocks (before the tail); the blocks
@@ -352,11 +356,18 @@ class QuestSelection(SelectionStrategy):
         self.last_indices = torch.full((L, B, H, self._max_k), -1, dtype=torch.int32, device=self._k.device)
         return None
 
+    def _elapsed(self, t0: float) -> float:
+        """Seconds since ``t0`` (device synced); 0 inside a compiled step, which is timed whole
+        (neither the clock nor a sync can be traced or captured)."""
+        if torch.compiler.is_compiling():
+            return 0.0
+        self._sync()
+        return time.perf_counter() - t0
+
     def _choose(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        t0 = time.perf_counter()
+        t0 = _now()
         scores = ops.quest_block_scores(q, self.key_min[layer], self.key_max[layer], self._nc)
         idx = ops.block_topk(scores, self._k, self._nc, self._max_k, self.cfg.num_sink_blocks)
         self.last_indices[layer] = idx
-        self._sync()
-        self.inline_select_time_s["draft"] += time.perf_counter() - t0
+        self.inline_select_time_s["draft"] += self._elapsed(t0)
         return idx

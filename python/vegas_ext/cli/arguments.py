@@ -125,7 +125,8 @@ def _prompt_flags(pr) -> None:
 
 
 #: The decoding flags, from :data:`vegas_ext.config.OPTIONS` (flag, type, default, help), by group.
-_SPECULATION = ("max_new_tokens", "num_speculative_tokens", "gamma_policy", "sparse_attn_algorithm", "draft_weights")
+_SPECULATION = ("max_new_tokens", "num_speculative_tokens", "gamma_policy", "sparse_attn_algorithm", "draft_weights",
+                "compile_steps")
 _SELECTION = ("sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size",
               "num_sink_blocks", "share_selection_across_heads", "query_weights", "selection_refresh_interval")
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p")

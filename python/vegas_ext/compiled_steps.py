@@ -1,0 +1,139 @@
+"""The decode loop's step forwards, eager or under ``torch.compile(fullgraph=True)``.
+
+A decode iteration runs three kinds of model forward over the preallocated
+:class:`~vegas_ext.cache.VegasCache`: draft steps (one token per row, sparse attention), the
+verification of ``q`` tokens per row and plain steps (full attention). On a GPU their time is set
+by the host as much as by the device: a Llama-3-8B-shaped plain step at 32K x 8 read ~50 GB in
+~12 ms of device time but took 35 ms (bench/results/gpu_h200), the rest launches and Python.
+gpt-fast removes that overhead with ``torch.compile(mode="reduce-overhead", fullgraph=True)``:
+one CUDA graph per input shape, replayed. This module gives the loop the same:
+
+* :func:`model_forward`: one forward of the HF model through our attention, the attention state
+  passed as a keyword (``vegas_state``) rather than read from a context variable, and a
+  placeholder 4-D mask so that HF builds no mask -- both traceable by Dynamo;
+* :class:`CompiledSteps`: that forward and the lean draft forward
+  (:class:`~vegas_ext.draft_forward.LeanDraft`) compiled with ``fullgraph=True`` (a graph break is
+  an error, not a silent fallback), ``dynamic=False``: one graph per ``(rows, tokens, mode)``; on
+  CUDA with ``mode="reduce-overhead"`` (CUDA graphs, the cache buffers marked as static addresses).
+
+The loop calls the same functions eager or compiled, so the CPU test suite checks what a capture
+would run: no graph break, the same tokens (tests/test_compiled_steps.py). What only a GPU can
+show -- the capture itself and its speed -- is in ``bench/gpu_check.sh``.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Dict
+
+import torch
+from torch import Tensor
+
+from . import draft_weights
+
+__all__ = ["CompiledSteps", "compiled_steps", "model_forward", "COMPILE_BACKEND"]
+
+#: Dynamo backend per device type where not Inductor's default (tests set "aot_eager": the same
+#: trace, no code generation)
+COMPILE_BACKEND: Dict[str, str] = {}
+#: distinct graphs one compiled step may hold: modes x token counts x batch sizes x block sizes
+_RECOMPILE_LIMIT = 256
+_MASKS: Dict[torch.device, Tensor] = {}
+_LOCK = threading.RLock()
+
+
+def _no_mask(device: torch.device) -> Tensor:
+    """A ``[1, 1, 1, 1]`` bool placeholder: HF returns a 4-D mask as given (no mask built, no
+    data-dependent Python), and our attention masks by per-row lengths, never reading it."""
+    m = _MASKS.get(device)
+    if m is None:
+        m = _MASKS.setdefault(device, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
+    return m
+
+
+def model_forward(model, fwd_kw: str, ids: Tensor, pos: Tensor, keep: int, cache, state) -> Tensor:
+    """One forward of ``model`` (a HF ``*ForCausalLM`` using the ``"vegas"`` attention) over
+    ``ids`` ``[B, Q]`` int64 at positions ``pos`` ``[B, Q]`` into ``cache`` (passed as the
+    model's ``fwd_kw`` argument), attention by ``state`` (an
+    :class:`~vegas_ext.attention.AttentionState` after ``cache.begin_forward``). Returns the logits
+    ``[B, keep or Q, V]`` (``keep = 0``: every position)."""
+    out = model(input_ids=ids, position_ids=pos, attention_mask=_no_mask(ids.device), use_cache=True,
+                logits_to_keep=keep, vegas_state=state, **{fwd_kw: cache})
+    return out.logits
+
+
+def _lean_forward(lean, ids: Tensor, pos: Tensor, state) -> Tensor:
+    return lean(ids, pos, state)
+
+
+class CompiledSteps:
+    """The step forwards of one :func:`vegas_ext.generate` call under ``torch.compile``.
+
+    Args:
+        device: the model's device. CUDA: ``mode="reduce-overhead"`` (CUDA graphs), else
+            Inductor's default mode; :data:`COMPILE_BACKEND` may name another backend per device type.
+
+    Call :meth:`forward` as :func:`model_forward` and :meth:`lean` as a
+    :class:`~vegas_ext.draft_forward.LeanDraft`. Compiled with ``fullgraph=True``: a graph break
+    raises ``torch._dynamo.exc.Unsupported`` at the first call of that shape.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.backend = backend = COMPILE_BACKEND.get(self.device.type, "inductor")
+        kw = dict(fullgraph=True, dynamic=False, backend=backend)
+        if self.device.type == "cuda" and backend == "inductor":
+            kw["mode"] = "reduce-overhead"
+        self._forward = torch.compile(model_forward, **kw)
+        self._lean = torch.compile(_lean_forward, **kw)
+        self._static: set = set()
+
+    def _mark_static(self, cache) -> None:
+        """CUDA graphs replay fixed addresses: the cache buffers (written in place) are marked
+        static once, so the graphs read and write them rather than copies."""
+        if self.device.type != "cuda" or id(cache) in self._static:
+            return
+        for layer in cache.layers:
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
+        self._static.add(id(cache))
+
+    def forward(self, model, fwd_kw: str, ids: Tensor, pos: Tensor, keep: int, cache, state,
+                draft_weights=None) -> Tensor:
+        """:func:`model_forward`, compiled; ``draft_weights``: the
+        :class:`~vegas_ext.draft_weights.DraftWeights` a draft step's linears read (installed and
+        active, as in the eager loop), ``None`` for verification and plain steps."""
+        self._mark_static(cache)
+        with _LOCK, _traced(draft_weights), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return self._forward(model, fwd_kw, ids, pos, keep, cache, state)
+
+    def lean(self, lean, ids: Tensor, pos: Tensor, state) -> Tensor:
+        """``lean(ids, pos, state)`` (a :class:`~vegas_ext.draft_forward.LeanDraft`, which reads
+        its draft weights itself), compiled."""
+        self._mark_static(state.cache)
+        with _LOCK, torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return self._lean(lean, ids, pos, state)
+
+
+@contextlib.contextmanager
+def _traced(dw):
+    """Inside, compiled linears read ``dw`` (:data:`vegas_ext.draft_weights.TRACED`). Held under
+    :data:`_LOCK`: two threads' compiled steps never see each other's."""
+    draft_weights.TRACED[0] = dw
+    try:
+        yield
+    finally:
+        draft_weights.TRACED[0] = None
+
+
+_BY_DEVICE: Dict[torch.device, CompiledSteps] = {}
+
+
+def compiled_steps(device) -> CompiledSteps:
+    """The :class:`CompiledSteps` of ``device``, one per process (its graphs serve every call)."""
+    device = torch.device(device)
+    with _LOCK:
+        c = _BY_DEVICE.get(device)
+        if c is None or c.backend != COMPILE_BACKEND.get(device.type, "inductor"):
+            c = _BY_DEVICE[device] = CompiledSteps(device)
+        return c
