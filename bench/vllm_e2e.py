@@ -90,7 +90,8 @@ def _proposer_stats(stats_dir):
 def _draft_reads(before, after, num_layers, page_size):
     """What the cell's drafts read, from the proposer counters before and after it: tokens read per
     draft token and layer (``tokens_read_per_draft``), the share of a dense draft's reads
-    (``read_share``), the γ decisions (``gamma_histogram``) and steps the batch check made plain."""
+    (``read_share``), the γ decisions (``gamma_histogram``) and plain steps where the best allocation
+    would have drafted for some request (``vetoed_steps``)."""
     d = {k: after[k] - before.get(k, 0) for k, v in after.items() if isinstance(v, int) and not isinstance(v, bool)}
     out = {"draft_tokens": d.get("draft_tokens", 0)}
     if "tokens_read" in d:  # token granularity

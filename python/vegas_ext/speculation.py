@@ -16,7 +16,7 @@ The design of ``auto`` and the measurements behind its defaults: ``docs/gamma_po
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor
@@ -505,11 +505,16 @@ class TokenCostModel:
     and 210 + 0 q ms in two runs of one cell). Until two counts were timed the lines take the
     conservative reading: verification all per token (drafting looks dear), a step of some rows
     as dear as one of all. ``c0, c1, d0, d1 >= 0``. Rows leaving the batch (:meth:`keep_rows`)
-    change what a forward reads, so the verification timings start over then.
+    change what a forward reads, so the verification timings start over then. ``max_batch_sizes``:
+    the verification and plain-step timings of at most that many batch sizes (the most recently
+    timed) are kept (``None``: all; an engine whose batch size wanders would keep every size it
+    ever ran).
     """
 
-    def __init__(self, window: int = 5):
+    def __init__(self, window: int = 5, max_batch_sizes: Optional[int] = None):
         self.window = int(window)
+        self.max_batch_sizes = max_batch_sizes
+        self._batch_sizes: List[int] = []  # timed batch sizes, most recent last (with max_batch_sizes)
         self._verify: Dict[Tuple[int, int], List[float]] = {}  # (rows, tokens) -> seconds of scored passes
         self._plain: Dict[int, List[float]] = {}  # rows -> seconds of its last unscored plain steps
         self._draft: Dict[int, List[float]] = {}  # rows -> seconds of its last draft steps
@@ -534,6 +539,8 @@ class TokenCostModel:
             raise ValueError("TokenCostModel.observe: IterationCosts.tokens and .rows must be > 0")
         self._observed += 1
         self.rows = c.rows
+        if self.max_batch_sizes:
+            self._keep_recent(c.rows)
         if c.gamma == 0 and not c.scored:
             self._push(self._plain, c.rows, c.verify)
         else:
@@ -545,6 +552,22 @@ class TokenCostModel:
             if c.select > 0:
                 self._select.append(c.select)
                 del self._select[: -self.window]
+
+    def _keep_recent(self, rows: int) -> None:
+        """``rows`` was just timed: drop the timings of batch sizes beyond the ``max_batch_sizes`` most recent."""
+        sizes = self._batch_sizes
+        if rows in sizes:
+            sizes.remove(rows)
+        sizes.append(rows)
+        for old in sizes[: -self.max_batch_sizes]:
+            self._plain.pop(old, None)
+            for key in [k for k in self._verify if k[0] == old]:
+                del self._verify[key]
+        del sizes[: -self.max_batch_sizes]
+
+    def batch_sizes(self) -> List[int]:
+        """The batch sizes with verification or plain-step timings, ascending."""
+        return sorted({r for r, _ in self._verify} | {r for r, v in self._plain.items() if v})
 
     def _memo(self, key, fn):
         """``fn()``, remembered until the next :meth:`observe` (a choice prices many drafts)."""
@@ -645,6 +668,7 @@ class _RowChoice:
         # id(acceptance) -> (acceptance, per-row marginal gains); the source is held so its id stays its own
         self._marginal: Dict[Optional[int], Tuple[object, List[List[float]]]] = {}
         self._prices: Dict[Tuple[int, int], Dict[int, float]] = {}  # (g, rows) -> tokens -> seconds
+        self.estimated: Dict[int, Tuple[float, List[int]]] = {}  # g -> allocate_drafts at the estimates
 
     def marginal_of(self, acceptance, make) -> List[List[float]]:
         """The rows' marginal gains at ``acceptance`` (``None``: the estimates), ``make()`` once."""
@@ -670,14 +694,23 @@ class RowGamma(AutoGamma):
     second; :class:`AutoGamma`'s rule (warm-up, margin over a plain step, upper-bound exploration,
     probes) then chooses ``G`` on those rates. Lossless whatever it picks (choices depend on the
     past only). Design and measurements: ``docs/gamma_policy.md``.
+
+    Args:
+        max_gamma, window, **kwargs: as :class:`AutoGamma`'s (``cost_ema`` is accepted and unused).
+        uniform_margin: drafts differ between rows only where that beats uniform drafts by this
+            fraction (default ``margin``; 0 where the verification is ragged anyway, as in vLLM).
+        costs: the :class:`TokenCostModel` to use (default a new one of ``window``).
     """
 
     name = "auto"
 
-    def __init__(self, max_gamma: int, window: int = 5, **kwargs):
+    def __init__(self, max_gamma: int, window: int = 5, uniform_margin: Optional[float] = None,
+                 costs: Optional[TokenCostModel] = None, **kwargs):
         kwargs.pop("cost_ema", None)
         super().__init__(max_gamma, window=window, **kwargs)
-        self.costs = TokenCostModel(window)
+        self.costs = TokenCostModel(window) if costs is None else costs
+        # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
+        self.uniform_margin = self.margin if uniform_margin is None else float(uniform_margin)
         self.row_acc: List[AcceptanceEstimate] = []
         self.row_choices = [0] * (self.max_gamma + 1)  # row-iterations per g
         self._choice: Optional[_RowChoice] = None  # while choose_rows runs
@@ -741,7 +774,10 @@ class RowGamma(AutoGamma):
                 price[n] = self.costs.iteration(g, n, rows)
             return price[n]
 
-        return allocate_drafts(marginal, c, g, cost, self.margin)
+        out = allocate_drafts(marginal, c, g, cost, self.uniform_margin)
+        if ch is not None and acceptance is None:
+            ch.estimated[g] = out
+        return out
 
     def rate(self, g: int, caps: Tensor, acceptance=None, optimistic: bool = False) -> float:
         """Expected emitted tokens per second of the best drafts per row with ``g`` draft steps."""
@@ -751,6 +787,10 @@ class RowGamma(AutoGamma):
         return self._allocate(g, caps, acceptance)[0]
 
     def choose_rows(self, caps: Tensor) -> Tensor:
+        return self.choose_rows_priced(caps)[0]
+
+    def choose_rows_priced(self, caps: Tensor) -> Tuple[Tensor, "_RowChoice"]:
+        """:meth:`choose_rows`, and the choice's :class:`_RowChoice` (what it priced)."""
         self._rows(caps.numel())
         ch = self._choice = _RowChoice()
         try:
@@ -766,7 +806,7 @@ class RowGamma(AutoGamma):
         for d, c in zip(drafts, caps.tolist()):
             if c >= 0:
                 self.row_choices[d] += 1
-        return caps.new_tensor(drafts)
+        return caps.new_tensor(drafts), ch
 
     def observe_iteration(self, costs: IterationCosts, drafted: Tensor, accepted: Tensor) -> None:
         self.costs.observe(costs)
@@ -786,121 +826,154 @@ class RowGamma(AutoGamma):
         return {**super().stats(), "row_gamma_histogram": list(self.row_choices)}
 
 
-class PerRequestGamma:
-    """``auto`` per request for a batched engine: each request its own ``g`` in ``0..cap``.
+class _EngineRowGamma(RowGamma):
+    """:class:`RowGamma` for an engine that times a step only when it verified exactly the previous
+    step's drafts: the warm-up's drafts may go untimed (a request joined, a prefill chunk), and
+    plain steps alone never time a second token count, so while the verification is not
+    determined (:meth:`TokenCostModel.ready`) a plain step that was timed is followed by another
+    ``first_gamma`` drafts (measured in vLLM: the first drafts untimed, 37 plain steps followed)."""
 
-    One :class:`AutoGamma` per request id -- its own :class:`AcceptanceEstimate`, warm-up, probes
-    and history -- all sharing the :class:`StepCostModel` of the step's batch size (one per power
-    of two: a step of 16 requests costs more plain steps of verification and drafting than one of
-    a single request, and a stale plain step from another batch size would misprice both) that the
-    engine feeds with its step timings (:meth:`observe_step`). A request's choice is AutoGamma's
-    decision for a batch of that request alone under the shared costs: a request whose drafts are
-    rejected goes plain (``g = 0``) while one whose drafts are accepted keeps drafting. A new
-    request's prior acceptance is the rate the engine's requests showed lately (all of them pooled,
-    ``acceptance_decay`` per verified request), so it starts where its peers are instead of
-    climbing from ``prior_acceptance``. Runner-independent (the vLLM plugin drives it from
-    ``vegas_ext.vllm.proposer``).
+    def choose(self, caps: Tensor, limit: int) -> int:
+        hi = max(0, min(self.max_gamma, int(limit)))
+        if hi and self.history and self.history[-1] == 0 and not self.costs.ready() and self.costs.t_plain is not None:
+            g = min(self.first_gamma, hi)
+            self.history.append(g)
+            return g
+        return super().choose(caps, limit)
+
+
+class PerRequestGamma:
+    """``auto`` per request for a batched engine: our loop's :class:`RowGamma` over each engine
+    step's requests, one row per request, each its own ``g`` in ``0..cap``.
+
+    Each request id keeps its own :class:`AcceptanceEstimate` (its row's while it is in a step's
+    batch; prior: the rate pooled over the engine's verified drafts, :attr:`engine_acc`, forgotten
+    at ``acceptance_decay`` per step), and one :class:`TokenCostModel` prices the steps from the
+    engine's timings (:meth:`observe_step`: a verification of ``n`` tokens over ``B`` requests,
+    draft steps of the requests that still draft, the selection; the ``max_batch_sizes`` most
+    recently timed batch sizes kept). Every step, :class:`RowGamma`'s rule chooses the step's draft
+    steps ``G`` (warm-up, margin over the batch's plain step, upper-bound exploration, probes) and
+    :func:`allocate_drafts` the drafts of each request -- the most expected tokens per second for
+    the whole batch, which pays every draft step and every verified token: a request whose drafts
+    are rejected gets none while one whose drafts are accepted keeps drafting, and drafts that do
+    not pay for the batch are not run. Ragged drafts cost nothing extra here (``uniform_margin``
+    0: the engine's verification is ragged by construction). The engine times a step only when it
+    verified exactly the previous step's drafts, so until the verification is timed at two token
+    counts every plain step that was timed is followed by ``first_gamma`` drafts again.
+    Runner-independent (the vLLM plugin drives it from ``vegas_ext.vllm.proposer``). Design:
+    ``docs/vllm_gamma.md``.
 
     Args:
         max_gamma: the most drafts any request gets (``>= 1``).
-        **auto_kwargs: :class:`AutoGamma` options (``prior_acceptance``, ``margin``, ...); ``window``
-            and ``cost_ema`` go to the shared cost model.
+        max_batch_sizes: batch sizes whose timings the cost model keeps (see :class:`TokenCostModel`).
+        **auto_kwargs: :class:`RowGamma` / :class:`AutoGamma` options (``prior_acceptance``,
+            ``margin``, ``window``, ...; ``cost_ema`` is accepted and unused).
+
+    Raises:
+        ValueError: ``max_gamma`` not an integer ``>= 1``.
     """
 
-    def __init__(self, max_gamma: int, **auto_kwargs):
+    history_kept = 256  # steps of RowGamma.history kept: an engine runs for ever
+
+    def __init__(self, max_gamma: int, max_batch_sizes: int = 16, **auto_kwargs):
         if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
-        self._kw = dict(auto_kwargs)
-        self.cost_models: Dict[int, StepCostModel] = {}  # by batch size rounded down to a power of two
-        self.costs = self.use_costs(1)  # the current step's
-        # every request's verified drafts pooled: the prior of the requests to come
-        self.engine_acc = AutoGamma(max_gamma, **self._kw).acc
-        self.requests: Dict[str, AutoGamma] = {}
+        kw = {"uniform_margin": 0.0, **auto_kwargs}
+        costs = TokenCostModel(int(kw.get("window", 5)), max_batch_sizes=max_batch_sizes)
+        #: the engine's policy; its row estimates are the step's requests' (:attr:`requests`)
+        self.row_policy = _EngineRowGamma(max_gamma, costs=costs, **kw)
+        self.requests: Dict[str, AcceptanceEstimate] = {}  # by request id
+        self._verified: Tuple[List[int], List[int]] = ([], [])  # drafted, accepted since the last step
         self.choices = [0] * (max_gamma + 1)  # decisions per g, all requests
-        self.vetoed = 0  # steps whose drafts the batch check turned into a plain step
+        self.vetoed = 0  # plain steps where the best allocation drafted for some request
 
-    def use_costs(self, batch_size: int) -> StepCostModel:
-        """Makes the cost model of ``batch_size`` requests (rounded down to a power of two) the
-        current one (:attr:`costs`) and returns it."""
-        b = 1 << (max(1, int(batch_size)).bit_length() - 1)
-        m = self.cost_models.get(b)
-        if m is None:
-            m = self.cost_models[b] = StepCostModel(self._kw.get("window", 5), self._kw.get("cost_ema", 0.5))
-        self.costs = m
-        return m
+    @property
+    def costs(self) -> TokenCostModel:
+        """The engine's step costs."""
+        return self.row_policy.costs
 
-    def policy(self, req_id: str) -> AutoGamma:
-        """The request's :class:`AutoGamma` (created on first use; :meth:`choose` gives it the
-        current step's cost model)."""
-        p = self.requests.get(req_id)
-        if p is None:
-            p = self.requests[req_id] = AutoGamma(self.max_gamma, **self._kw)
-            p.acc.prior_acceptance = self.engine_acc.pooled()
-            if self.costs.t_plain is not None:  # costs known: skip the warm-up that measures them
-                p.history.extend([0, 0])
-        return p
+    @property
+    def engine_acc(self) -> AcceptanceEstimate:
+        """Every request's verified drafts pooled: the prior of each request's estimates."""
+        return self.row_policy.acc
+
+    def estimate(self, req_id: str) -> AcceptanceEstimate:
+        """The request's :class:`AcceptanceEstimate` (created on first use, behind the pooled rate)."""
+        a = self.requests.get(req_id)
+        if a is None:
+            acc = self.engine_acc
+            a = self.requests[req_id] = AcceptanceEstimate(self.max_gamma, acc.pooled(), acc.prior_weight, acc.decay)
+        return a
 
     def choose(self, req_id: str, cap: int) -> int:
-        """Drafts for ``req_id``'s next step, in ``[0, min(max_gamma, cap)]`` (``cap``: the most it
-        may draft, e.g. its reserved slots)."""
-        import torch
-
-        cap = max(0, min(self.max_gamma, int(cap)))
-        p = self.policy(req_id)
-        p.costs = self.costs
-        g = p.choose(torch.tensor([cap]), cap)
-        self.choices[g] += 1
-        return g
+        """Drafts for ``req_id`` alone in a step (:meth:`choose_batch` of one request)."""
+        return self.choose_batch([(req_id, cap)])[0]
 
     def choose_batch(self, reqs: List[Tuple[str, int]], batch_size: Optional[int] = None) -> List[int]:
-        """Drafts for one engine step of the requests ``[(req_id, cap)]``: each request's own
-        :meth:`choose`, then the batch's check -- a step's draft forwards and its verification are
-        paid by every request of the batch, so the drafts go ahead only when the batch's expected
-        tokens per unit time (``sum_i E_i(g_i) / cost(max g)``) beat a plain step's (``len(reqs)``)
-        by the margin, or while a request probes or the costs are not measured yet; else all ``0``.
-        Prices the step with the cost model of ``batch_size`` requests (default ``len(reqs)``: pass
-        the step's whole batch when some of its requests cannot draft)."""
+        """Drafts for one engine step of the requests ``[(req_id, cap)]`` (``cap``: the most it may
+        draft, e.g. its reserved slots; each result in ``[0, min(max_gamma, cap)]``), chosen
+        together: :meth:`RowGamma.choose_rows` over one row per request. ``batch_size``: the
+        step's whole batch (default ``len(reqs)``), its other requests priced as rows that verify
+        one token and draft none. A step that decodes plainly where the best allocation would have
+        drafted for some request (its drafts do not pay for the batch by the margin) counts in
+        :attr:`vetoed`."""
         import torch
 
-        self.use_costs(len(reqs) if batch_size is None else batch_size)
-        probes = {rid: self.policy(rid).num_probes for rid, _ in reqs}
-        gs = [self.choose(rid, cap) for rid, cap in reqs]
-        top = max(gs, default=0)
-        if top == 0 or self.costs.t_plain is None or any(self.requests[r].num_probes > n for r, n in probes.items()):
-            return gs
-        tokens = sum(self.requests[rid].expected_tokens(g, torch.tensor([g])) for (rid, _), g in zip(reqs, gs))
-        margin = float(self._kw.get("margin", 0.03))
-        if tokens / max(self.costs.relative_cost(top), 1e-12) > len(reqs) * (1.0 + margin):
-            return gs
-        for g in gs:  # the batch decodes plainly: count the decisions as taken
-            self.choices[g] -= 1
-            self.choices[0] += 1
-        self.vetoed += 1
-        return [0] * len(gs)
+        if not reqs:
+            return []
+        drafted, accepted = self._verified
+        if drafted:  # one forgetting step per engine step, as our loop's per iteration
+            self.engine_acc.observe(drafted, accepted)
+            self._verified = ([], [])
+        caps = [max(0, min(self.max_gamma, int(c))) for _, c in reqs]
+        caps += [0] * (max(len(reqs), int(batch_size or 0)) - len(reqs))
+        pol = self.row_policy
+        pol.row_acc = [self.estimate(rid) for rid, _ in reqs]  # RowGamma adds the other rows' (no drafts)
+        drafts, choice = pol.choose_rows_priced(torch.tensor(caps))
+        del pol.history[: -self.history_kept]
+        gs = drafts.tolist()[: len(reqs)]
+        for g in gs:
+            self.choices[g] += 1
+        spec = [out for g, out in choice.estimated.items() if g > 0]  # priced at the estimates
+        if not any(gs) and spec and any(max(spec, key=lambda out: out[0])[1][: len(reqs)]):
+            self.vetoed += 1
+        return gs
 
     def observe_request(self, req_id: str, drafted: int, accepted: int) -> None:
         """The request's last drafts were verified: ``accepted`` of its ``drafted`` (``>= 1``)."""
         if drafted > 0 and req_id in self.requests:
-            obs = [int(drafted)], [min(int(accepted), int(drafted))]
-            self.requests[req_id].acc.observe(*obs)
-            self.engine_acc.observe(*obs)
+            d, a = int(drafted), min(int(accepted), int(drafted))
+            self.requests[req_id].observe([d], [a])
+            self._verified[0].append(d)
+            self._verified[1].append(a)
 
     def observe_step(self, costs: IterationCosts, batch_size: Optional[int] = None) -> None:
-        """One engine step's timings (``costs.gamma``: the most drafts any request verified), for
-        the cost model of ``batch_size`` requests (default: the current one's)."""
-        (self.costs if batch_size is None else self.use_costs(batch_size)).observe(costs)
+        """One engine step's timings (``costs.gamma``: its draft steps, the most drafts any request
+        verified; ``costs.tokens``: the tokens verified, default ``rows * (gamma + 1)``;
+        ``costs.rows``: the requests, default ``batch_size``, else the latest timing's)."""
+        rows = costs.rows or int(batch_size or 0) or self.costs.rows or 1
+        tokens = costs.tokens or rows * (costs.gamma + 1)
+        self.costs.observe(replace(costs, rows=rows, tokens=tokens))
 
     def forget(self, req_id: str) -> None:
         """Drop a finished request's estimates."""
         self.requests.pop(req_id, None)
 
+    def cost_stats(self) -> dict:
+        """The cost model's ``cost_t_*_ms`` (:meth:`TokenCostModel.stats`), with
+        ``cost_t_verify_c1_ms`` the verification's ms per token (the name the plugin's stats kept)."""
+        s = self.costs.stats()
+        return {**s, "cost_t_verify_c1_ms": s["cost_t_verify_per_token_ms"]}
+
     def stats(self) -> dict:
-        """``gamma_histogram`` (decisions per ``g`` over all requests), the cost model's ``cost_t_*_ms``,
-        ``engine_acceptance`` (the new requests' prior) and ``tracked_requests``."""
-        return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.costs.stats(),
-                "engine_acceptance": round(self.engine_acc.pooled(), 4), "cost_batch_sizes": sorted(self.cost_models),
-                "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed}
+        """``gamma_histogram`` (decisions per ``g`` over all requests), the costs (:meth:`cost_stats`),
+        ``engine_acceptance`` (the new requests' prior), ``cost_batch_sizes`` (batch sizes timed),
+        ``tracked_requests``, ``vetoed_steps`` and ``num_probes``."""
+        return {"gamma_policy": "auto", "gamma_histogram": list(self.choices), **self.cost_stats(),
+                "engine_acceptance": round(self.engine_acc.pooled(), 4), "cost_batch_sizes": self.costs.batch_sizes(),
+                "tracked_requests": len(self.requests), "vetoed_steps": self.vetoed,
+                "num_probes": self.row_policy.num_probes}
 
 
 def _line_fit(by_n: Dict[int, List[float]], one: str = "origin") -> Tuple[float, float]:

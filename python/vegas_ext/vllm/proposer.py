@@ -36,8 +36,9 @@ when it sampled nothing this step (a partial prefill chunk). With ``gamma_policy
 request drafts its own number ``0..γ`` (γ = ``num_speculative_tokens``, the lookahead the scheduler
 reserves), chosen every step by :class:`vegas_ext.speculation.PerRequestGamma` from that request's
 acceptance (``sampled_token_ids`` holds 1 + the accepted drafts of its last step) and the step costs
-timed here, in plain steps: the rest of the engine step between two calls (target forward, sampling,
-scheduling: ``verify``), the draft forwards and the selection. When no request drafts, the next
+timed here, in seconds: the rest of the engine step between two calls (target forward, sampling,
+scheduling: ``verify``, with the tokens it verified), each draft forward (with the requests it
+drafted) and the selection. When no request drafts, the next
 target forward records no page scores; a request that drafts right after such a step drafts over
 StreamingLLM pages (lossless either way). Verification rewrites the drafts' K/V
 with exact values, and vLLM's rejection sampler accepts; the proposer returns token ids only.
@@ -145,6 +146,8 @@ class VegasProposer:
         self._prev_drafts: Dict[str, int] = {}
         self._prev_end = None
         self._prev_costs = (0.0, 0.0)
+        self._draft_steps: List[tuple] = []  # this step's draft forwards: (requests drafted, seconds)
+        self._prev_steps: List[tuple] = []
 
     def load_model(self, target_model) -> None:
         """Called by the runner with the target model: the drafter is the model itself."""
@@ -180,6 +183,7 @@ class VegasProposer:
             self._observe(scheduler_output, sampled_token_ids, cm, req_ids, t_start, scored)
         t_select = t_draft = 0.0
         req = None
+        self._draft_steps = []
         if out and cm is not None:
             group = self._group(runner)
             layer_names = list(group.layer_names)
@@ -206,6 +210,7 @@ class VegasProposer:
             self.state.collect = self._needs_scores and req is not None
             self._prev_drafts = {rid: len(d) for rid, d in zip(req_ids, out)}
             self._prev_costs = (t_draft, t_select)
+            self._prev_steps = self._draft_steps
         if self._stats_dir:
             self._dump_stats()
         if self.gamma_policy is not None:
@@ -232,10 +237,12 @@ class VegasProposer:
                 pol.observe_request(rid, d, s - 1)
             if pure and (not s or int(q_lens[i]) != 1 + prev.get(rid, 0)):
                 pure = False
-        if pure:
+        if pure:  # every request verified 1 + its drafts: the cost model's tokens and rows
             t_draft, t_select = self._prev_costs
             pol.observe_step(IterationCosts(max(prev.values(), default=0), t_draft, t_start - self._prev_end,
-                                            t_select, scored=scored), len(req_ids))
+                                            t_select, scored=scored, tokens=int(q_lens[: len(req_ids)].sum()),
+                                            rows=len(req_ids), draft_steps=list(self._prev_steps) or None),
+                             len(req_ids))
 
     def _group(self, runner):
         groups = [g for gs in runner.attn_groups for g in gs]
@@ -502,6 +509,7 @@ class VegasProposer:
         try:
             with draft_linears.drafting():  # the linears read their low-precision copies, if any
                 for j in range(gamma):
+                    t0 = time.perf_counter()
                     act = (req.ndraft > j).nonzero().flatten()
                     n = int(act.numel())
                     if n == 0:
@@ -518,6 +526,7 @@ class VegasProposer:
                     drafts[act.cpu(), j] = nxt.cpu().long()
                     tokens = tokens.clone()
                     tokens[act] = nxt.to(torch.int32)
+                    self._draft_steps.append((n, time.perf_counter() - t0))  # the γ policy's draft line
         finally:
             self.state.drafting = False
         return drafts
@@ -538,7 +547,7 @@ class VegasProposer:
         if self.gamma_policy is not None:
             self.stats["gamma_histogram"] = list(self.gamma_policy.choices)
             self.stats["vetoed_steps"] = self.gamma_policy.vetoed
-            self.stats.update((k, v) for k, v in self.gamma_policy.costs.stats().items())
+            self.stats.update(self.gamma_policy.cost_stats())
         path = os.path.join(self._stats_dir, f"stats-rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(self.stats, f)
