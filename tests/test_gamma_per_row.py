@@ -112,6 +112,11 @@ def test_row_policy_splits_rows_by_their_acceptance():
                                            tokens=tokens, rows=4), gs, torch.where(torch.arange(4) < 2, gs, 0))
     assert gs[:2].min() >= 3 and gs[2:].max() == 0, gs
     assert p.stats()["row_gamma_histogram"][0] > 0
+    # what one choice priced lives in that choice only; its allocations are allocate_drafts' rates
+    drafts, choice = p.choose_rows_priced(caps)
+    assert p._choice is None and choice.estimated
+    g = int(drafts.max())
+    assert choice.estimated[g][0] == pytest.approx(p.rate(g, caps)) and choice.estimated[g][1] == drafts.tolist()
 
 
 class _Ragged(speculation.GammaPolicy):
