@@ -181,6 +181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also time the draft step with these low-precision draft linears, e.g. fp16,int8 "
                          "(draft_step_<kind>_ms; the prediction pred_speedup_vs_full_<kind>)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF's own step (and its DynamicCache copy)")
+    ap.add_argument("--compile-steps", action="store_true",
+                    help="also time the steps as compile_steps=True runs them (*_graph: CUDA graphs on CUDA; "
+                         "the backend: vegas_ext.compiled_steps.COMPILE_BACKEND, VEGAS_COMPILE_BACKEND)")
     ap.add_argument("--profile-summary", default=None, metavar="MD",
                     help="write to MD a torch.profiler summary (CPU + CUDA activity) of one plain step and "
                          "one draft step of the first cell: wall, host op time, device busy time, top ops")
@@ -273,7 +276,7 @@ def lean_drafts(model, dws: dict) -> dict:
     return {k: v for k, v in leans.items() if v is not None}
 
 
-def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict):
+def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict, compiled=None):
     """``(fns, ours)``: the timed forwards of ``cell`` by name (``hf_step`` only with an HF cache)
     and the names of ours, in the order they are timed; draft steps through ``leans`` where they
     hold the draft weights' lean forward."""
@@ -311,6 +314,20 @@ def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict):
     for k, dw in dws.items():
         fns[f"draft_step_{k}"] = (lambda dw: lambda: draft(dw))(dw)
     ours = ["full_step", "draft_step", *[f"draft_step_{k}" for k in dws], "verify", "select"]
+    if compiled is not None:  # the same steps as compile_steps=True runs them (CUDA graphs on CUDA)
+        def graph(mode, q, dw=None):
+            st.mode = mode
+            cache.begin_forward(q)
+            lean = leans.get(dw) if mode == "draft" else None
+            if lean is not None:
+                return compiled.lean(lean, tok[:, :1], pos[:, :1], st)
+            return compiled.forward(model, ck, tok[:, :q], pos[:, :q], 1 if mode == "draft" else 0, cache, st, dw)
+
+        fns.update(full_step_graph=lambda: graph("verify", 1), draft_step_graph=lambda: graph("draft", 1),
+                   verify_graph=lambda: graph("verify", g + 1))
+        for k, dw in dws.items():
+            fns[f"draft_step_{k}_graph"] = (lambda dw: lambda: _with(dw.active(), lambda: graph("draft", 1, dw)))(dw)
+        ours += ["full_step_graph", "draft_step_graph", *[f"draft_step_{k}_graph" for k in dws], "verify_graph"]
     if cell.hf_cache is None:
         del fns["hf_step"]
     return fns, ours
@@ -379,7 +396,23 @@ def cell_record(args: argparse.Namespace, model, packed: int, dws: dict, cell: C
         **{f"pred_speedup_vs_full_{k}": round(tau * best["full_step"] / (
             g * best[f"draft_step_{k}"] + best["verify"] + best["select"]), 2) for k in dws},
         **{f"draft_weights_{k}_mb": round(dw.nbytes / 1e6, 1) for k, dw in dws.items()},
+        **_graph_predictions(best, g, tau, dws),
     )
+
+
+def _graph_predictions(best: dict, g: int, tau: float, dws: dict) -> dict:
+    """With ``--compile-steps``: the predicted speed-up of compiled Vegas over the compiled plain
+    loop and over the eager plain loop, per draft weights (``""``: the model's own)."""
+    if "full_step_graph" not in best:
+        return {}
+    out = {}
+    for k in ["", *dws]:
+        d = best[f"draft_step_{k}_graph" if k else "draft_step_graph"]
+        it = g * d + best["verify_graph"] + best["select"]
+        sfx = f"_{k}" if k else ""
+        out[f"graph_pred_speedup_vs_full_graph{sfx}"] = round(tau * best["full_step_graph"] / it, 2)
+        out[f"graph_pred_speedup_vs_full{sfx}"] = round(tau * best["full_step"] / it, 2)
+    return out
 
 
 def main(argv=None):
@@ -390,7 +423,8 @@ def main(argv=None):
     for B in [int(x) for x in args.batches.split(",")]:
         for S in [int(x) for x in args.contexts.split(",")]:
             cell = build_cell(model, args, B, S)
-            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans)
+            compiled = _compiled(cell.dev) if args.compile_steps else None
+            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans, compiled)
             best = time_cell(model, cell, fns, ours, dws, args.reps)
             prof = profile_cell(model, cell, fns, ours, dws, best) if args.profile else None
             if args.profile_summary:
@@ -405,6 +439,12 @@ def main(argv=None):
                 out_f.write(json.dumps(rec) + "\n")
                 out_f.flush()
             del cell, fns
+
+
+def _compiled(dev):
+    from vegas_ext.compiled_steps import compiled_steps  # not in older trees (A/B runs)
+
+    return compiled_steps(dev)
 
 
 def _with(ctx, fn):

@@ -5,26 +5,32 @@
 #   0. environment (timeout 20 s);
 #   1. builds the extension in place for this GPU only (TORCH_CUDA_ARCH_LIST from the device's
 #      compute capability, MAX_JOBS = all cores; /usr/bin/g++ when present, see below;
-#      timeout 180 s, measured 72-80 s on the H200);
-#   2. the CUDA tests (timeout 90 s, measured 43 s): tests/test_cuda_ops.py (kernels vs the PyTorch
-#      references, opcheck, CUDA-graph replay of a whole decode step, no host sync, workspace =
-#      formula, top-k ties/NaN; the CPU-only emulation tests are skipped here),
-#      tests/test_paged_block_scores_cuda.py, tests/test_paged_verify_attention_cuda.py, the
-#      draft-weights fp16 path on CUDA and the huge-block-size test;
-#   3. bench/bench_cuda_kernels.py (timeout 90 s, 19 s for 9 cells on the H200): S = 8K/32K/128K,
+#      timeout 150 s, measured 72-80 s on the H200);
+#   2. the CUDA tests (timeout 100 s, measured 43 s before the compiled-steps test):
+#      tests/test_cuda_ops.py (kernels vs the PyTorch references, opcheck, CUDA-graph replay of a
+#      whole decode step, no host sync, workspace = formula, top-k ties/NaN; the CPU-only emulation
+#      tests are skipped here), tests/test_paged_block_scores_cuda.py,
+#      tests/test_paged_verify_attention_cuda.py, the draft-weights path on CUDA, the huge-block-size
+#      test and compile_steps=True on CUDA (Inductor + CUDA graphs: the eager loop's tokens);
+#   3. bench/bench_cuda_kernels.py (timeout 60 s, 19 s for 9 cells on the H200): S = 8K/32K/128K,
 #      batch 1/2/4/8/32, block sizes 1 and 16, Llama-3-8B attention: verify vs SDPA-flash (batch
 #      1-4 included), bandwidth as a share of the measured copy (32K x 8), block_topk at block
 #      size 1 vs a verification (32K x 1), workspace, host syncs of an op-level decode step; ends
 #      with the issue-47 targets, each "met" / "NOT met" from the measured rows;
-#   4. end to end (timeout 90 s, measured 19 s): bench/decode_step_costs.py on a random-weight
+#   4. end to end (timeout 60 s, measured 19 s): bench/decode_step_costs.py on a random-weight
 #      Llama-3-8B shape, bf16, 32K context, batch 8, gamma 6, fixed acceptance tau 5 (vegas
 #      iteration vs tau plain steps), plus a torch.profiler summary of one plain and one draft step
-#      (host time vs device time, top kernels and ops: profile_steps.md).
-# The step timeouts add to 470 s. The vLLM plugin step (600 s) does not fit the budget: it runs
-# only with VEGAS_GPU_CHECK_VLLM=1.
+#      (host time vs device time, top kernels and ops: profile_steps.md);
+#   5. in what is left of 470 s: the same cell with compiled steps beside eager (*_graph_ms,
+#      graph_pred_speedup_*: e2e_llama3_8b_shape_compiled.jsonl);
+#   6. then, if 45 s are left: bench/compiled_steps_e2e.py, the embedded SmolLM2 at 8K x 8: HF
+#      generate, our plain loop and Vegas gamma 6, eager and compiled (compiled_steps_e2e.jsonl).
+# The timeouts of steps 0-4 add to 390 s. The vLLM plugin step (600 s) does not fit the budget: it
+# runs only with VEGAS_GPU_CHECK_VLLM=1.
 # Everything it writes goes to bench/results/gpu_<device>/ (gpu_h100, gpu_h200, ...: from the
 # device name) and, when $OUT is set, to $OUT/gpu_<device>/ as well: gpu_check.log, build.log,
-# tests.log, test_cuda_ops.xml, kernels_cuda.{md,jsonl}, e2e_llama3_8b_shape.jsonl, profile_steps.md.
+# tests.log, test_cuda_ops.xml, kernels_cuda.{md,jsonl}, e2e_llama3_8b_shape.jsonl, profile_steps.md,
+# e2e_llama3_8b_shape_compiled.jsonl, compiled_steps_e2e.jsonl.
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
 set -euo pipefail
@@ -53,7 +59,7 @@ status=0
 erc=0
 echo "results: $RES"
 
-step "0/4 environment"
+step "0/6 environment"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || echo "(no nvidia-smi)"
 timeout 20 "$PY" - <<'EOF'
 import torch
@@ -86,11 +92,11 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export VEGAS_BUILD_CUDA=1
 
-step "1/4 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
+step "1/6 build for sm ${TORCH_CUDA_ARCH_LIST} with ${MAX_JOBS} jobs"
 B0=$(date +%s)
 build() {
   rm -rf build python/vegas_ext/_C*.so
-  if ! timeout 180 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
+  if ! timeout 150 "$PY" setup.py build_ext --inplace > "$DEST/build.log" 2>&1; then
     tail -60 "$DEST/build.log"
     echo "BUILD FAILED (full log: build.log)"
     exit 1
@@ -106,29 +112,29 @@ command -v cuobjdump >/dev/null && cuobjdump --list-elf "$SO" || true
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, vegas_ext; print('CUDA kernels registered:', all(torch._C._dispatch_has_kernel_for_dispatch_key(f'vegas::{o}', 'CUDA') for o in ('verify_attention','block_topk','sparse_draft_attention','paged_block_scores','paged_verify_attention')))"
 
-step "2/4 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py"
+step "2/6 tests/test_cuda_ops.py tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py"
 set +e
 # with pytest-xdist, a test that crashes its process fails alone instead of ending the run
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4" || true)
-VEGAS_SKIP_EMULATOR=1 timeout 90 "$PY" -m pytest -q -rfEs -p no:cacheprovider $XDIST tests/test_cuda_ops.py \
+VEGAS_SKIP_EMULATOR=1 timeout 100 "$PY" -m pytest -q -rfEs -p no:cacheprovider $XDIST tests/test_cuda_ops.py \
   tests/test_paged_block_scores_cuda.py tests/test_paged_verify_attention_cuda.py "tests/test_op_errors.py::test_huge_block_size_is_one_block" \
-  tests/test_draft_weights.py::test_cuda_maps_to_fp16_and_stays_lossless \
+  tests/test_draft_weights.py::test_cuda_maps_to_fp16_and_stays_lossless tests/test_compiled_steps.py::test_cuda_graphs_give_the_eager_tokens \
   --junitxml="$DEST/test_cuda_ops.xml" 2>&1 | tee "$DEST/tests.log" | tail -60
 trc=${PIPESTATUS[0]}
 set -e
 if [ "$trc" -ne 0 ]; then echo "TESTS FAILED (rc $trc; full log: tests.log)"; status=1; else echo "tests ok"; fi
 
-step "3/4 kernel microbenchmarks"
+step "3/6 kernel microbenchmarks"
 set +e
-timeout 90 "$PY" -m bench.bench_cuda_kernels --out "$RES/kernels_cuda"
+timeout 60 "$PY" -m bench.bench_cuda_kernels --out "$RES/kernels_cuda"
 brc=$?
 set -e
 if [ "$brc" -ne 0 ]; then echo "BENCHMARK FAILED (rc $brc)"; status=1; fi
 
-step "4/4 end to end: random-weight Llama-3-8B shape, 32K context, batch 8, gamma 6, fixed acceptance tau 5; profile of one plain and one draft step"
+step "4/6 end to end: random-weight Llama-3-8B shape, 32K context, batch 8, gamma 6, fixed acceptance tau 5; profile of one plain and one draft step"
 set +e
 rm -f "$DEST/e2e_llama3_8b_shape.jsonl"
-timeout 90 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
+timeout 60 "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
   --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --reps 3 --no-hf \
   --out "$DEST/e2e_llama3_8b_shape.jsonl" --profile-summary "$DEST/profile_steps.md"
 erc=$?
@@ -143,6 +149,32 @@ for bs in (1, 16):
     print(f"verify_attention workspace per call, Llama-3-8B shape, S=128K, batch 32, Q=7, block {bs}: {n / 1e6:.1f} MB")
 EOF
 grep -h "host syncs per step" "$RES/kernels_cuda.md" 2>/dev/null || true
+
+# compiled steps (compile_steps=True: Inductor, mode="reduce-overhead": CUDA graphs), in what is left
+# of the budget: first the step costs of the same Llama-3-8B-shape cell (eager and *_graph side by
+# side: the compile of 4 graphs of a 32-layer model is paid once), then the embedded SmolLM2 end to
+# end (HF generate, our plain loop and Vegas gamma 6, eager and compiled, same tokens).
+left() { echo $(( 470 - ($(date +%s) - T0) )); }
+grc=skipped
+if [ "$(left)" -gt 60 ]; then
+  step "5/6 compiled steps: Llama-3-8B shape, 32K x 8, gamma 6 (timeout $(left) s)"
+  set +e
+  timeout "$(left)" "$PY" -m bench.decode_step_costs --model-config llama3-8b --device cuda \
+    --dtype bfloat16 --contexts 32768 --batches 8 --gamma 6 --tau 5 --reps 3 --no-hf --compile-steps \
+    --out "$DEST/e2e_llama3_8b_shape_compiled.jsonl"
+  grc=$?
+  set -e
+fi
+src=skipped
+if [ "$(left)" -gt 45 ]; then
+  step "6/6 compiled steps end to end: embedded SmolLM2, bf16, 8K x 8, 64 new tokens (timeout $(left) s)"
+  set +e
+  rm -f "$DEST/compiled_steps_e2e.jsonl"
+  timeout "$(left)" "$PY" -m bench.compiled_steps_e2e --device cuda --dtype bfloat16 --contexts 8192 \
+    --batches 8 --gamma 6 --max-new-tokens 64 --repeats 2 --out "$DEST/compiled_steps_e2e.jsonl"
+  src=$?
+  set -e
+fi
 # ---------------------------------------------------------------------------------------------
 # vLLM plugin (vegas_ext.vllm), only where vLLM is installed in this Python: greedy end to end on
 # the embedded SmolLM2, no speculation / ngram / Vegas / StreamingLLM through the plugin, with its
@@ -166,7 +198,7 @@ else
 fi
 # ---------------------------------------------------------------------------------------------
 
-step "done: tests rc=$trc, bench rc=$brc, e2e rc=$erc, $(( $(date +%s) - T0 ))s in all (budget 480 s)"
+step "done: tests rc=$trc, bench rc=$brc, e2e rc=$erc, compiled steps rc=$grc / $src, $(( $(date +%s) - T0 ))s in all (budget 480 s)"
 sleep 1  # let tee flush the log before it is mirrored
 mirror
 exit $status

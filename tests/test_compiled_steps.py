@@ -113,3 +113,18 @@ def test_compile_steps_must_be_a_bool():
     ids, mask = _prompts(model)
     with pytest.raises(TypeError, match="compile_steps"):
         vegas_ext.generate(model, ids, attention_mask=mask, max_new_tokens=2, compile_steps="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("draft_weights", [None, "int8"])
+def test_cuda_graphs_give_the_eager_tokens(monkeypatch, draft_weights):
+    """On CUDA: Inductor with mode="reduce-overhead" (CUDA graphs over the cache's static buffers),
+    fp32, two calls (the second replays the first's graphs): the eager loop's tokens."""
+    monkeypatch.delenv("VEGAS_COMPILE_BACKEND", raising=False)
+    model = make_model("llama", seed=2).to("cuda")
+    ids, mask = (t.to("cuda") for t in _prompts(model, (45, 38)))
+    kw = dict(max_new_tokens=24, num_speculative_tokens=4, gamma_policy="fixed", draft_weights=draft_weights)
+    eager = vegas_ext.generate(model, ids, attention_mask=mask, **kw)
+    for _ in range(2):
+        compiled = vegas_ext.generate(model, ids, attention_mask=mask, compile_steps=True, **kw)
+        assert torch.equal(compiled.sequences, eager.sequences)

@@ -14,7 +14,8 @@ one CUDA graph per input shape, replayed. This module gives the loop the same:
 * :class:`CompiledSteps`: that forward and the lean draft forward
   (:class:`~vegas_ext.draft_forward.LeanDraft`) compiled with ``fullgraph=True`` (a graph break is
   an error, not a silent fallback), ``dynamic=False``: one graph per ``(rows, tokens, mode)``; on
-  CUDA with ``mode="reduce-overhead"`` (CUDA graphs, the cache buffers marked as static addresses).
+  CUDA with Inductor's ``mode="reduce-overhead"`` (CUDA graphs; the cache buffers and block scores
+  marked as static addresses, written in place).
 
 The loop calls the same functions eager or compiled, so the CPU test suite checks what a capture
 would run: no graph break, the same tokens (tests/test_compiled_steps.py). What only a GPU can
@@ -23,6 +24,7 @@ show -- the capture itself and its speed -- is in ``bench/gpu_check.sh``.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Dict
 
@@ -33,9 +35,16 @@ from . import draft_weights
 
 __all__ = ["CompiledSteps", "compiled_steps", "model_forward", "COMPILE_BACKEND"]
 
-#: Dynamo backend per device type where not Inductor's default (tests set "aot_eager": the same
-#: trace, no code generation)
+#: Dynamo backend per device type where not Inductor (on CUDA with ``mode="reduce-overhead"``: its
+#: kernels replayed as CUDA graphs). Not "cudagraphs" or "aot_eager" for decoding: without Inductor's
+#: re-inplacing, every K/V write into the cache becomes a copy of the whole cache buffer. The
+#: environment variable ``VEGAS_COMPILE_BACKEND`` overrides every device's; tests set "aot_eager"
+#: on CPU (Dynamo's whole trace, no code generation).
 COMPILE_BACKEND: Dict[str, str] = {}
+
+
+def _backend(device_type: str) -> str:
+    return os.environ.get("VEGAS_COMPILE_BACKEND") or COMPILE_BACKEND.get(device_type, "inductor")
 #: distinct graphs one compiled step may hold: modes x token counts x batch sizes x block sizes
 _RECOMPILE_LIMIT = 256
 _MASKS: Dict[torch.device, Tensor] = {}
@@ -67,11 +76,12 @@ def _lean_forward(lean, ids: Tensor, pos: Tensor, state) -> Tensor:
 
 
 class CompiledSteps:
-    """The step forwards of one :func:`vegas_ext.generate` call under ``torch.compile``.
+    """The loop's step forwards under ``torch.compile``, one per device (:func:`compiled_steps`): its
+    graphs serve every :func:`vegas_ext.generate` call of the same shapes.
 
     Args:
-        device: the model's device. CUDA: ``mode="reduce-overhead"`` (CUDA graphs), else
-            Inductor's default mode; :data:`COMPILE_BACKEND` may name another backend per device type.
+        device: the model's device; the backend: Inductor unless :data:`COMPILE_BACKEND` says
+            otherwise, on CUDA with ``mode="reduce-overhead"`` (its kernels as CUDA graphs).
 
     Call :meth:`forward` as :func:`model_forward` and :meth:`lean` as a
     :class:`~vegas_ext.draft_forward.LeanDraft`. Compiled with ``fullgraph=True``: a graph break
@@ -80,38 +90,50 @@ class CompiledSteps:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.backend = backend = COMPILE_BACKEND.get(self.device.type, "inductor")
+        self.backend = backend = _backend(self.device.type)
         kw = dict(fullgraph=True, dynamic=False, backend=backend)
         if self.device.type == "cuda" and backend == "inductor":
-            kw["mode"] = "reduce-overhead"
+            kw["mode"] = "reduce-overhead"  # Inductor's kernels, replayed as CUDA graphs
         self._forward = torch.compile(model_forward, **kw)
         self._lean = torch.compile(_lean_forward, **kw)
         self._static: set = set()
 
-    def _mark_static(self, cache) -> None:
-        """CUDA graphs replay fixed addresses: the cache buffers (written in place) are marked
-        static once, so the graphs read and write them rather than copies."""
-        if self.device.type != "cuda" or id(cache) in self._static:
+    def _begin(self, state) -> None:
+        """Before a compiled call on CUDA: a new CUDA-graph step (the previous step's outputs were
+        read), and the tensors a step writes in place -- the cache buffers, the block scores --
+        marked as static addresses, so that the graphs write them rather than copies (a graph
+        with other mutated inputs is not captured)."""
+        if self.device.type != "cuda":
             return
-        for layer in cache.layers:
+        torch.compiler.cudagraph_mark_step_begin()
+        key = (id(state.cache), id(state.block_scores))
+        if key in self._static:
+            return
+        for layer in state.cache.layers:
             torch._dynamo.mark_static_address(layer.keys)
             torch._dynamo.mark_static_address(layer.values)
-        self._static.add(id(cache))
+        if state.block_scores is not None:
+            torch._dynamo.mark_static_address(state.block_scores)
+        self._static = {key}  # the latest call's: an old cache's ids may be reused
 
     def forward(self, model, fwd_kw: str, ids: Tensor, pos: Tensor, keep: int, cache, state,
                 draft_weights=None) -> Tensor:
         """:func:`model_forward`, compiled; ``draft_weights``: the
         :class:`~vegas_ext.draft_weights.DraftWeights` a draft step's linears read (installed and
         active, as in the eager loop), ``None`` for verification and plain steps."""
-        self._mark_static(cache)
         with _LOCK, _traced(draft_weights), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return self._forward(model, fwd_kw, ids, pos, keep, cache, state)
+            self._begin(state)
+            calls, state.layer_calls = state.layer_calls, 0  # a graph's guards see 0: no recompiles for it
+            try:
+                return self._forward(model, fwd_kw, ids, pos, keep, cache, state)
+            finally:
+                state.layer_calls += calls
 
     def lean(self, lean, ids: Tensor, pos: Tensor, state) -> Tensor:
         """``lean(ids, pos, state)`` (a :class:`~vegas_ext.draft_forward.LeanDraft`, which reads
         its draft weights itself), compiled."""
-        self._mark_static(state.cache)
         with _LOCK, torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            self._begin(state)
             return self._lean(lean, ids, pos, state)
 
 
@@ -134,6 +156,6 @@ def compiled_steps(device) -> CompiledSteps:
     device = torch.device(device)
     with _LOCK:
         c = _BY_DEVICE.get(device)
-        if c is None or c.backend != COMPILE_BACKEND.get(device.type, "inductor"):
+        if c is None or c.backend != _backend(device.type):
             c = _BY_DEVICE[device] = CompiledSteps(device)
         return c
