@@ -238,7 +238,7 @@ def vegas_attention_forward(
     raise RuntimeError(f"vegas attention: unknown mode {mode!r}")
 
 
-_VERIFY_CPU = torch.ops.vegas.verify_attention.default if ops.has_compiled_kernel("verify_attention", "cpu") else None
+_VERIFY_CPU = ops.cpu_op("verify_attention")
 
 
 def _packed_verify(st: AttentionState, layer: int, q: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
@@ -248,7 +248,7 @@ def _packed_verify(st: AttentionState, layer: int, q: Tensor, key: Tensor, value
     out = torch.empty_like(q)
     seq = st.cache.seq_lens
     # the rows' slices of one checked forward: straight to the CPU kernel (4-8 calls per layer)
-    verify = _VERIFY_CPU if q.device.type == "cpu" and _VERIFY_CPU is not None else ops.verify_attention
+    verify = _VERIFY_CPU if q.device.type == "cpu" else ops.verify_attention
     for b, s, n in st.packed:
         o, _lse, scores = verify(q[:, s:s + n], key[b:b + 1], value[b:b + 1], seq[b:b + 1],
                                  st.block_size, scaling, st.weights_for(n))

@@ -49,19 +49,12 @@ _MODELS = {
 _SILU = ("silu", "swish")
 
 
-def _op(name: str):
-    """``torch.ops.vegas.<name>.default`` where the CPU kernel is built (the lean forward runs on
-    CPU only; straight to the op: ~200 calls per draft step), else the checked wrapper (reference)."""
-    return getattr(torch.ops.vegas, name).default if ops.has_compiled_kernel(name, "cpu") else getattr(ops, name)
-
-
-_WOL = _op("weight_only_linear")
-
-
-_ADD_RMS_NORM = _op("add_rms_norm")
-_ROPE_KV_WRITE = _op("rope_kv_write")
-_ATTEND = _op("sparse_draft_attention")
-_SILU_MUL = _op("silu_mul")
+# the lean forward runs on CPU only, straight to the kernels (~200 calls per draft step)
+_WOL = ops.cpu_op("weight_only_linear")
+_ADD_RMS_NORM = ops.cpu_op("add_rms_norm")
+_ROPE_KV_WRITE = ops.cpu_op("rope_kv_write")
+_ATTEND = ops.cpu_op("sparse_draft_attention")
+_SILU_MUL = ops.cpu_op("silu_mul")
 
 
 def _norm(mod: nn.Module) -> Optional[Tuple[Tensor, float]]:

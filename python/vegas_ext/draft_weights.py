@@ -68,7 +68,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vegas_draft_weights_ac
 _INSTALL_LOCK = threading.Lock()
 #: class -> (number of installed() users, the class's own ``forward`` before wrapping)
 _INSTALLED: Dict[type, Tuple[int, object]] = {}
-_CPU_KERNEL = _ops.has_compiled_kernel("weight_only_linear", "cpu")
+_WOL_CPU = _ops.cpu_op("weight_only_linear")  # straight to the kernel: ~200 calls per draft step
 #: The largest finite float8 e4m3fn value (448): a per-channel / per-row scale maps max|w| onto it.
 FP8_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
@@ -428,9 +428,7 @@ class DraftWeights:
         if c.mode != "cpu":
             return _device_linear(c, x)
         xf = x if x.dtype == torch.float32 else x.float()
-        # the op straight (one draft step makes ~200 of these calls); the checked reference without a build
-        fn = torch.ops.vegas.weight_only_linear.default if _CPU_KERNEL else _ops.weight_only_linear
-        y = fn(xf, c.weight, c.scales, c.bias, INT8_GROUP_SIZE)
+        y = _WOL_CPU(xf, c.weight, c.scales, c.bias, INT8_GROUP_SIZE)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # ------------------------------------------------------------------ switching

@@ -64,6 +64,7 @@ __all__ = [
     "block_minmax_update",
     "quest_block_scores",
     "has_compiled_kernel",
+    "cpu_op",
     "set_cuda_kernels_enabled",
     "cuda_workspace_bytes",
     "EXTENSION_LOADED",
@@ -125,6 +126,14 @@ def has_compiled_kernel(op: str, device_type: str) -> bool:
 
 # Looked up once, so the wrappers stay traceable by torch.compile (a dict read).
 _COMPILED = {(op, dev): has_compiled_kernel(op, dev) for op in _OPS for dev in ("cpu", "cuda")}
+
+
+def cpu_op(name: str):
+    """``torch.ops.vegas.<name>.default`` where its CPU kernel is built, else the checked wrapper
+    ``vegas_ext.ops.<name>`` (the reference). For hot loops on CPU tensors whose arguments the caller
+    has already checked (the lean draft forward, a packed verification, the draft weights'
+    linears: hundreds of calls per step), which skip the wrapper's checks and dispatch."""
+    return getattr(torch.ops.vegas, name).default if has_compiled_kernel(name, "cpu") else globals()[name]
 
 
 def _use_compiled(op: str, device: torch.device) -> bool:
