@@ -128,3 +128,37 @@ def test_cuda_graphs_give_the_eager_tokens(monkeypatch, draft_weights):
     for _ in range(2):
         compiled = vegas_ext.generate(model, ids, attention_mask=mask, compile_steps=True, **kw)
         assert torch.equal(compiled.sequences, eager.sequences)
+
+
+def test_an_eager_thread_while_another_compiles():
+    """torch marks the whole process as compiling while one thread compiles; an eager decode of
+    the same model in another thread meanwhile keeps its tokens and does not break the compile
+    (transformers' kernel context variables turn process-global then)."""
+    model = make_model("qwen3", seed=11)
+    ids, mask = _prompts(model, (12, 40), seed=4)
+    want = vegas_ext.generate(model, ids, attention_mask=mask, max_new_tokens=14).sequences
+    done, errors, got = threading.Event(), [], []
+
+    def compiled():
+        try:
+            got.append(vegas_ext.generate(model, ids, attention_mask=mask, max_new_tokens=14,
+                                          compile_steps=True).sequences)
+        except Exception as e:  # reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    def eager():
+        try:
+            while not done.is_set():
+                got.append(vegas_ext.generate(model, ids, attention_mask=mask, max_new_tokens=14).sequences)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=compiled), threading.Thread(target=eager)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(got) >= 2 and all(torch.equal(g, want) for g in got)

@@ -48,6 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import config, model_state, ops
 from .cache import VegasCache
+from .compiled_steps import in_compiled_step
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -151,14 +152,14 @@ def active_state() -> Optional[AttentionState]:
 def _state(kwargs: dict) -> Optional[AttentionState]:
     """The state of the forward: the ``vegas_state`` keyword the decode loop passes with the model's
     inputs (HF hands it down to every attention call; traceable by ``torch.compile``), else the
-    context's active one (not read while compiling: ``ContextVar`` is not traceable)."""
+    context's active one (not read in a compiled step: ``ContextVar`` is not traceable)."""
     st = kwargs.pop("vegas_state", None)
     if st is not None or _compiling():
         return st
     return _ACTIVE.get()
 
 
-_compiling = torch.compiler.is_compiling
+_compiling = in_compiled_step
 
 
 def vegas_attention_forward(

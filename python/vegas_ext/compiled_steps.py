@@ -31,9 +31,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from . import draft_weights
-
-__all__ = ["CompiledSteps", "compiled_steps", "model_forward", "COMPILE_BACKEND"]
+__all__ = ["CompiledSteps", "compiled_steps", "model_forward", "in_compiled_step", "traced_draft_weights", "COMPILE_BACKEND"]
 
 #: Dynamo backend per device type where not Inductor (on CUDA with ``mode="reduce-overhead"``: its
 #: kernels replayed as CUDA graphs). Not "cudagraphs" or "aot_eager" for decoding: without Inductor's
@@ -49,6 +47,24 @@ def _backend(device_type: str) -> str:
 _RECOMPILE_LIMIT = 256
 _MASKS: Dict[torch.device, Tensor] = {}
 _LOCK = threading.RLock()
+#: while a compiled step is called (under :data:`_LOCK`): the calling thread and the draft weights
+#: its linears read (``None``: the model's own)
+_CALL: Dict[str, object] = {"thread": None, "draft_weights": None}
+
+
+@torch.compiler.assume_constant_result
+def in_compiled_step() -> bool:
+    """Whether this thread is inside a compiled step (its trace, or an eager fallback of it).
+    Not ``torch.compiler.is_compiling()``: torch sets that for the whole process while any thread
+    compiles, so another thread's eager forward would take the compiled path. A constant to Dynamo
+    (evaluated once at trace time, where it is True), so the trace has no graph break."""
+    return _CALL["thread"] == threading.get_ident()
+
+
+def traced_draft_weights():
+    """The :class:`~vegas_ext.draft_weights.DraftWeights` a compiled draft step's linears read
+    (``None`` in verification and plain steps): read inside :func:`in_compiled_step` only."""
+    return _CALL["draft_weights"]
 
 
 def _no_mask(device: torch.device) -> Tensor:
@@ -132,23 +148,33 @@ class CompiledSteps:
     def lean(self, lean, ids: Tensor, pos: Tensor, state) -> Tensor:
         """``lean(ids, pos, state)`` (a :class:`~vegas_ext.draft_forward.LeanDraft`, which reads
         its draft weights itself), compiled."""
-        with _LOCK, torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with _LOCK, _traced(None), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             self._begin(state)
             return self._lean(lean, ids, pos, state)
 
 
 @contextlib.contextmanager
 def _traced(dw):
-    """Inside, compiled linears read ``dw`` (:data:`vegas_ext.draft_weights.TRACED`). Held under
-    :data:`_LOCK`: two threads' compiled steps never see each other's."""
-    draft_weights.TRACED[0] = dw
+    """Inside, this thread is in a compiled step whose linears read ``dw``
+    (:func:`in_compiled_step`, :func:`traced_draft_weights`). Held under :data:`_LOCK`: two
+    threads' compiled steps never see each other's."""
+    _CALL.update(thread=threading.get_ident(), draft_weights=dw)
     try:
         yield
     finally:
-        draft_weights.TRACED[0] = None
+        _CALL.update(thread=None, draft_weights=None)
 
 
 _BY_DEVICE: Dict[torch.device, CompiledSteps] = {}
+
+
+def eager_forward_lock():
+    """What an eager forward of the loop holds once any thread of the process has used compiled
+    steps: :data:`_LOCK`, so that it never runs while another thread's step compiles. torch marks
+    the whole process as compiling then, and code that branches on that (transformers' kernel
+    context variables, which turn process-global) would change under the trace: the compile fails
+    with a Dynamo guard error. A no-op (no serialization) in processes that never compiled a step."""
+    return _LOCK if _BY_DEVICE else contextlib.nullcontext()
 
 
 def compiled_steps(device) -> CompiledSteps:

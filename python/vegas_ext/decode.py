@@ -37,7 +37,7 @@ from . import config, prefill_cache as prefill_cache_mod
 from .acceptance import greedy_accept, make_warpers, probs, speculative_accept
 from .attention import EXACT_ROPE_TYPES, AttentionState, check_model_supported, patched, rope_types
 from .cache import VegasCache, model_device
-from .compiled_steps import CompiledSteps, compiled_steps, model_forward
+from .compiled_steps import CompiledSteps, compiled_steps, eager_forward_lock, model_forward
 from .draft_forward import lean_draft
 from .draft_weights import cached_draft_weights
 from .selection import (
@@ -178,7 +178,8 @@ class DecodeState:
         s = self.settings
         mode = self.attn.mode
         if s.compiled is None or mode == "prefill":  # a prompt's length is one shape per call: eager
-            logits = model_forward(s.model, s.fwd_kw, ids, pos, keep, self.cache, self.attn)
+            with eager_forward_lock():
+                logits = model_forward(s.model, s.fwd_kw, ids, pos, keep, self.cache, self.attn)
         else:
             logits = s.compiled.forward(s.model, s.fwd_kw, ids, pos, keep, self.cache, self.attn,
                                         s.draft_weights if mode == "draft" else None)
@@ -357,7 +358,8 @@ def draft(state: DecodeState, g: int, num_drafts: Optional[Tensor] = None):
             pos = (lengths + j).clamp(max=cfg.max_pos - 1)[:, None]
             rows = (want > j).nonzero()[:, 0] if subsets else None
             if rows is not None and rows.numel() < B:
-                lg = cfg.lean_draft(tok[rows, None], pos[rows], state.attn, rows=rows)
+                with eager_forward_lock():
+                    lg = cfg.lean_draft(tok[rows, None], pos[rows], state.attn, rows=rows)
                 t, qj = state.sample_or_argmax(lg[:, -1])
                 tok[rows] = t
                 drafts[rows, j] = t
@@ -394,7 +396,12 @@ def _draft_forward(state: DecodeState) -> Callable[[Tensor, Tensor], Tensor]:
         return lambda ids, pos: state.forward(ids, pos, 1)
     if cfg.compiled is not None:
         return lambda ids, pos: cfg.compiled.lean(lean, ids, pos, st)
-    return lambda ids, pos: lean(ids, pos, st)
+
+    def eager(ids, pos):
+        with eager_forward_lock():
+            return lean(ids, pos, st)
+
+    return eager
 
 
 def verify(state: DecodeState, drafts: Tensor, score: bool = True, num_drafts: Optional[Tensor] = None):

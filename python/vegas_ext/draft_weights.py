@@ -46,7 +46,7 @@ import contextvars
 import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from . import model_state, ops as _ops  # ops: loads the compiled torch.ops.vegas.weight_only_linear
 from .config import DRAFT_WEIGHTS, check_draft_weights
+from .compiled_steps import in_compiled_step, traced_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "FP8_MAX", "DraftWeights", "check_draft_weights", "draft_weights_for",
@@ -419,7 +420,7 @@ class DraftWeights:
     def linear(self, mod: nn.Module, x: Tensor, own_forward) -> Tensor:
         """``mod(x)`` on the low-precision copy of ``mod``'s weight (``own_forward(mod, x)``, the
         class's own, for a module without one: another model's, or one left out)."""
-        if torch.compiler.is_compiling():  # a compiled step: the copies as refreshed when the call began
+        if in_compiled_step():  # the copies as refreshed when the call began (the check is not traceable)
             c = self._copies.get(id(mod))
         else:
             c = self.copy_of(mod)  # remade if edited or replaced since
@@ -498,14 +499,9 @@ def _forward_owner(cls: type) -> type:
     return next(k for k in cls.__mro__ if "forward" in k.__dict__)
 
 
-#: the draft weights a compiled draft step reads (``ContextVar`` is not traceable): set only while
-#: :class:`~vegas_ext.compiled_steps.CompiledSteps` runs a draft step, under its lock
-TRACED: List[Optional["DraftWeights"]] = [None]
-
-
 def _wrapped_forward(own):
     def forward(self, x, *args, **kwargs):
-        dw = TRACED[0] if torch.compiler.is_compiling() else _ACTIVE.get()
+        dw = traced_draft_weights() if in_compiled_step() else _ACTIVE.get()  # ContextVar: not traceable
         if dw is None or args or kwargs:
             return own(self, x, *args, **kwargs)
         return dw.linear(self, x, own)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import config, ops
 from .attention import AttentionState
+from .compiled_steps import in_compiled_step
 
 if TYPE_CHECKING:
     from .cache import VegasCache
@@ -89,8 +90,8 @@ class SelectionContext:
 
 
 def _now() -> float:
-    """``time.perf_counter()``, 0 while compiling (see :meth:`QuestSelection._elapsed`)."""
-    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
+    """``time.perf_counter()``, 0 in a compiled step (see :meth:`QuestSelection._elapsed`)."""
+    return 0.0 if in_compiled_step() else time.perf_counter()
 
 
 def budget_blocks(lengths: Tensor, cfg: SelectionConfig) -> Tensor:
@@ -359,7 +360,7 @@ class QuestSelection(SelectionStrategy):
     def _elapsed(self, t0: float) -> float:
         """Seconds since ``t0`` (device synced); 0 inside a compiled step, which is timed whole
         (neither the clock nor a sync can be traced or captured)."""
-        if torch.compiler.is_compiling():
+        if in_compiled_step():
             return 0.0
         self._sync()
         return time.perf_counter() - t0
