@@ -114,6 +114,20 @@ class CompiledSteps:
         self._lean = torch.compile(_lean_forward, **kw)
         self._static: set = set()
 
+    @staticmethod
+    def _capacity_dynamic(state) -> None:
+        """The cache's positions per row (prompt + new tokens: every call its own), the block count
+        of its scores and the draft's budget in blocks as dynamic dimensions: one graph serves
+        every capacity and budget, where specialized ones would recompile at each new prompt
+        length (and hit Dynamo's recompile limit)."""
+        for layer in state.cache.layers:
+            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        if state.block_scores is not None:
+            torch._dynamo.maybe_mark_dynamic(state.block_scores, 3)
+        if state.block_indices is not None:  # the budget in blocks grows with the context
+            torch._dynamo.maybe_mark_dynamic(state.block_indices, 3)
+
     def _begin(self, state) -> None:
         """Before a compiled call on CUDA: a new CUDA-graph step (the previous step's outputs were
         read), and the tensors a step writes in place -- the cache buffers, the block scores --
@@ -138,6 +152,7 @@ class CompiledSteps:
         :class:`~vegas_ext.draft_weights.DraftWeights` a draft step's linears read (installed and
         active, as in the eager loop), ``None`` for verification and plain steps."""
         with _LOCK, _traced(draft_weights), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            self._capacity_dynamic(state)
             self._begin(state)
             calls, state.layer_calls = state.layer_calls, 0  # a graph's guards see 0: no recompiles for it
             try:
@@ -149,6 +164,7 @@ class CompiledSteps:
         """``lean(ids, pos, state)`` (a :class:`~vegas_ext.draft_forward.LeanDraft`, which reads
         its draft weights itself), compiled."""
         with _LOCK, _traced(None), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            self._capacity_dynamic(state)
             self._begin(state)
             return self._lean(lean, ids, pos, state)
 

@@ -1145,7 +1145,7 @@ def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device) ->
     out.update({
         "num_speculative_tokens": gamma, "block_size": int(plan.block_size), "batch_size": len(prompt_lens),
         "prompt_lengths": prompt_lens.tolist(), "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device), "draft_weights": opts["draft_weights"],
+        "device": str(device), "draft_weights": opts["draft_weights"], "compile_steps": bool(opts["compile_steps"]),
     })
     return {k: out[k] for k in _CONFIG_KEYS}
 
@@ -1156,6 +1156,7 @@ _CONFIG_KEYS = (
     "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size", "num_sink_blocks",
     "share_selection_across_heads", "query_weights", "selection_refresh_interval", "do_sample", "temperature",
     "top_k", "top_p", "max_new_tokens", "batch_size", "prompt_lengths", "dtype", "device", "draft_weights",
+    "compile_steps",
 )
 
 

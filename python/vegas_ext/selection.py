@@ -90,7 +90,7 @@ class SelectionContext:
 
 
 def _now() -> float:
-    """``time.perf_counter()``, 0 in a compiled step (see :meth:`QuestSelection._elapsed`)."""
+    """``time.perf_counter()``, 0 in a compiled step (see :meth:`QuestSelection._add_time`)."""
     return 0.0 if in_compiled_step() else time.perf_counter()
 
 
@@ -343,8 +343,7 @@ class QuestSelection(SelectionStrategy):
         st = self._state
         ops.block_minmax_update(self.key_min[layer], self.key_max[layer], k_cache, st.cache.seq_lens,
                                 start.to(torch.int32), self.cfg.block_size)
-        phase = st.mode if st.mode in self.inline_select_time_s else "prefill"
-        self.inline_select_time_s[phase] += self._elapsed(t0)
+        self._add_time(st.mode if st.mode in self.inline_select_time_s else "prefill", t0)
 
     def select(self, ctx: SelectionContext) -> None:
         """Per draft round: the budget and the candidate blocks (before the tail); the blocks
@@ -352,23 +351,26 @@ class QuestSelection(SelectionStrategy):
         cfg = self.cfg
         self._k = budget_blocks(ctx.lengths, cfg)
         self._nc = _num_candidates(ctx.tail_start, cfg.block_size)
-        self._max_k = max(1, int(torch.minimum(self._k, self._nc).max()))
+        # a power of two (unused slots are -1): a compiled draft step, whose trace takes max_k as a
+        # constant, recompiles a few times per context length rather than at every budget
+        self._max_k = 1 << (max(1, int(torch.minimum(self._k, self._nc).max())) - 1).bit_length()
         L, B, H = self.last_indices.shape[:3]
         self.last_indices = torch.full((L, B, H, self._max_k), -1, dtype=torch.int32, device=self._k.device)
         return None
 
-    def _elapsed(self, t0: float) -> float:
-        """Seconds since ``t0`` (device synced); 0 inside a compiled step, which is timed whole
-        (neither the clock nor a sync can be traced or captured)."""
+    def _add_time(self, phase: str, t0: float) -> None:
+        """Adds the seconds since ``t0`` (device synced) to ``phase``'s inline selection time; not
+        in a compiled step, which is timed whole (neither the clock nor a sync can be traced, and
+        a float read in the trace would become a guard that fails at the next call)."""
         if in_compiled_step():
-            return 0.0
+            return
         self._sync()
-        return time.perf_counter() - t0
+        self.inline_select_time_s[phase] += time.perf_counter() - t0
 
     def _choose(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         t0 = _now()
         scores = ops.quest_block_scores(q, self.key_min[layer], self.key_max[layer], self._nc)
         idx = ops.block_topk(scores, self._k, self._nc, self._max_k, self.cfg.num_sink_blocks)
         self.last_indices[layer] = idx
-        self.inline_select_time_s["draft"] += self._elapsed(t0)
+        self._add_time("draft", t0)
         return idx
