@@ -31,7 +31,8 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-__all__ = ["CompiledSteps", "compiled_steps", "model_forward", "in_compiled_step", "traced_draft_weights", "COMPILE_BACKEND"]
+__all__ = ["CompiledSteps", "compiled_steps", "model_forward", "in_compiled_step", "traced_draft_weights",
+           "eager_forward_lock", "COMPILE_BACKEND"]
 
 #: Dynamo backend per device type where not Inductor (on CUDA with ``mode="reduce-overhead"``: its
 #: kernels replayed as CUDA graphs). Not "cudagraphs" or "aot_eager" for decoding: without Inductor's

@@ -53,8 +53,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import model_state, ops as _ops  # ops: loads the compiled torch.ops.vegas.weight_only_linear
-from .config import DRAFT_WEIGHTS, check_draft_weights
 from .compiled_steps import in_compiled_step, traced_draft_weights
+from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "FP8_MAX", "DraftWeights", "check_draft_weights", "draft_weights_for",
