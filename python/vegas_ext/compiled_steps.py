@@ -13,7 +13,8 @@ one CUDA graph per input shape, replayed. This module gives the loop the same:
   placeholder 4-D mask so that HF builds no mask -- both traceable by Dynamo;
 * :class:`CompiledSteps`: that forward and the lean draft forward
   (:class:`~vegas_ext.draft_forward.LeanDraft`) compiled with ``fullgraph=True`` (a graph break is
-  an error, not a silent fallback), ``dynamic=False``: one graph per ``(rows, tokens, mode)``; on
+  an error, not a silent fallback): one graph per ``(rows, tokens, mode)``, the cache's capacity
+  and the draft budget dynamic; on
   CUDA with Inductor's ``mode="reduce-overhead"`` (CUDA graphs; the cache buffers and block scores
   marked as static addresses, written in place).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from typing import Dict
 
 import torch
@@ -44,6 +46,8 @@ COMPILE_BACKEND: Dict[str, str] = {}
 
 def _backend(device_type: str) -> str:
     return os.environ.get("VEGAS_COMPILE_BACKEND") or COMPILE_BACKEND.get(device_type, "inductor")
+
+
 #: distinct graphs one compiled step may hold: modes x token counts x batch sizes x block sizes
 _RECOMPILE_LIMIT = 256
 _MASKS: Dict[torch.device, Tensor] = {}
@@ -72,9 +76,8 @@ def _no_mask(device: torch.device) -> Tensor:
     """A ``[1, 1, 1, 1]`` bool placeholder: HF returns a 4-D mask as given (no mask built, no
     data-dependent Python), and our attention masks by per-row lengths, never reading it."""
     m = _MASKS.get(device)
-    if m is None:
-        m = _MASKS.setdefault(device, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
-    return m
+    return m if m is not None else _MASKS.setdefault(device, torch.ones((1, 1, 1, 1), dtype=torch.bool,
+                                                                         device=device))
 
 
 def model_forward(model, fwd_kw: str, ids: Tensor, pos: Tensor, keep: int, cache, state) -> Tensor:
@@ -113,39 +116,35 @@ class CompiledSteps:
             kw["mode"] = "reduce-overhead"  # Inductor's kernels, replayed as CUDA graphs
         self._forward = torch.compile(model_forward, **kw)
         self._lean = torch.compile(_lean_forward, **kw)
-        self._static: set = set()
+        self._seen = None  # (cache, block scores) prepared last, weakly
 
-    @staticmethod
-    def _capacity_dynamic(state) -> None:
-        """The cache's positions per row (prompt + new tokens: every call its own), the block count
-        of its scores and the draft's budget in blocks as dynamic dimensions: one graph serves
-        every capacity and budget, where specialized ones would recompile at each new prompt
-        length (and hit Dynamo's recompile limit)."""
-        for layer in state.cache.layers:
-            torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
-            torch._dynamo.maybe_mark_dynamic(layer.values, 2)
-        if state.block_scores is not None:
-            torch._dynamo.maybe_mark_dynamic(state.block_scores, 3)
-        if state.block_indices is not None:  # the budget in blocks grows with the context
+    def _prepare(self, state) -> None:
+        """Before a compiled call. Once per cache: the cache's positions per row
+        (prompt + new tokens: every call its own) and the block count of its scores as dynamic
+        dimensions, so that one graph serves every capacity where specialized ones recompiled at
+        each new prompt length (and hit Dynamo's recompile limit); on CUDA, the tensors a step
+        writes in place -- the cache buffers, the block scores -- as static addresses, so that the
+        graphs write them rather than copies (a graph with other mutated inputs is not captured).
+        Every call: the draft budget in blocks as dynamic (it grows with the context, a new tensor
+        per selection) and, on CUDA, a new CUDA-graph step (the previous step's outputs were read)."""
+        cuda = self.device.type == "cuda"
+        if self._seen is None or self._seen[0]() is not state.cache or self._seen[1]() is not state.block_scores:
+            for layer in state.cache.layers:
+                for t in (layer.keys, layer.values):
+                    torch._dynamo.maybe_mark_dynamic(t, 2)
+                    if cuda:
+                        torch._dynamo.mark_static_address(t)
+            if state.block_scores is not None:
+                torch._dynamo.maybe_mark_dynamic(state.block_scores, 3)
+                if cuda:
+                    torch._dynamo.mark_static_address(state.block_scores)
+            # weak references: a freed cache's id may be reused by the next call's
+            scores = state.block_scores
+            self._seen = (weakref.ref(state.cache), weakref.ref(scores) if scores is not None else lambda: None)
+        if state.block_indices is not None:
             torch._dynamo.maybe_mark_dynamic(state.block_indices, 3)
-
-    def _begin(self, state) -> None:
-        """Before a compiled call on CUDA: a new CUDA-graph step (the previous step's outputs were
-        read), and the tensors a step writes in place -- the cache buffers, the block scores --
-        marked as static addresses, so that the graphs write them rather than copies (a graph
-        with other mutated inputs is not captured)."""
-        if self.device.type != "cuda":
-            return
-        torch.compiler.cudagraph_mark_step_begin()
-        key = (id(state.cache), id(state.block_scores))
-        if key in self._static:
-            return
-        for layer in state.cache.layers:
-            torch._dynamo.mark_static_address(layer.keys)
-            torch._dynamo.mark_static_address(layer.values)
-        if state.block_scores is not None:
-            torch._dynamo.mark_static_address(state.block_scores)
-        self._static = {key}  # the latest call's: an old cache's ids may be reused
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def forward(self, model, fwd_kw: str, ids: Tensor, pos: Tensor, keep: int, cache, state,
                 draft_weights=None) -> Tensor:
@@ -153,8 +152,7 @@ class CompiledSteps:
         :class:`~vegas_ext.draft_weights.DraftWeights` a draft step's linears read (installed and
         active, as in the eager loop), ``None`` for verification and plain steps."""
         with _LOCK, _traced(draft_weights), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            self._capacity_dynamic(state)
-            self._begin(state)
+            self._prepare(state)
             calls, state.layer_calls = state.layer_calls, 0  # a graph's guards see 0: no recompiles for it
             try:
                 return self._forward(model, fwd_kw, ids, pos, keep, cache, state)
@@ -165,8 +163,7 @@ class CompiledSteps:
         """``lean(ids, pos, state)`` (a :class:`~vegas_ext.draft_forward.LeanDraft`, which reads
         its draft weights itself), compiled."""
         with _LOCK, _traced(None), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            self._capacity_dynamic(state)
-            self._begin(state)
+            self._prepare(state)
             return self._lean(lean, ids, pos, state)
 
 
