@@ -43,11 +43,19 @@ def test_packed_linear_matches_linear(shape, features, bias):
     assert ((y - ref).abs() <= bound + 1e-30).all(), (y - ref).abs().max()
 
 
+def test_default_min_rows_follows_the_cpu_vendor(monkeypatch):
+    import vegas_ext.packed_linear as pl
+
+    assert PackedLinear(nn.Linear(8, 4)).min_rows == PACKED_MIN_ROWS
+    assert PACKED_MIN_ROWS == (1 if pl.cpu_vendor() == "AuthenticAMD" else 4)
+    monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert pl.cpu_vendor() == ""
+
+
 def test_few_rows_take_f_linear_and_more_take_the_packed_weights():
     torch.manual_seed(0)
     lin = nn.Linear(576, 192)
-    p = PackedLinear(lin)
-    assert p.min_rows == PACKED_MIN_ROWS == 4
+    p = PackedLinear(lin, min_rows=4)
     packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach())
     with torch.no_grad():
         for rows in (1, 2, 3):

@@ -7,13 +7,21 @@ product on a weight reordered once into its blocked layout (``torch.ops.mkldnn._
 without a batch size, the layout PyTorch's Inductor uses for frozen CPU linears) serves any number
 of rows and streams the weights faster.
 
-Measured on one Intel Xeon core (AVX-512, 1 thread), SmolLM2-135M's 211 linears with lm_head
-(538 MB fp32), medians of 7 interleaved rounds (``bench/results/packed_linears_xeon_avx512/``): packed
-1.31x faster than ``F.linear`` at 4 rows, 1.73x at 12, 1.28x at 16, 1.13x at 28; but 0.80-0.88x
-at 1-3 rows, where ``F.linear`` streams the weights as a matrix-vector product. So fewer than
-``min_rows`` rows (default :data:`PACKED_MIN_ROWS` = 4) keep ``F.linear``. The packed results were
-also the same bits for every number of rows from 2 to 36 (row i of a 4-row product equals row i
-of a 36-row one); this is what that oneDNN build did, not a guarantee.
+Measured with SmolLM2-135M's 211 linears with lm_head (538 MB fp32), 1 thread, medians of
+interleaved rounds (``bench/bench_packed_linears.py``):
+
+* Intel Xeon (AVX-512; ``bench/results/packed_linears_xeon_avx512/``): packed 1.31x faster than
+  ``F.linear`` at 4 rows, 1.73x at 12, 1.13x at 28; but 0.80-0.81x at 1-2 rows, where
+  ``F.linear`` (MKL's sgemm) streams the weights as a matrix-vector product.
+* AMD EPYC Zen 4 (``bench/results/packed_linears_zen4/``): packed faster at every row count,
+  1.10x at 1 row, 1.64x at 2, 2.52x at 3, 1.89x at 4, 1.50x at 28; at 2 threads 1.59x at 1 row
+  (``F.linear``'s single row runs on one thread there) and 3.49x at 3.
+
+So fewer than ``min_rows`` rows keep ``F.linear``; the default :data:`PACKED_MIN_ROWS` is 1 on
+AMD CPUs and 4 elsewhere (by ``/proc/cpuinfo``'s vendor, so the same machine always takes the
+same path). The packed results were also the same bits for every number of rows from 2 to 36
+(row i of a 4-row product equals row i of a 36-row one); this is what that oneDNN build did, not
+a guarantee.
 
 Only CPU fp32 linears are packed; the module computes what ``nn.Linear`` would on its weight as it
 is *now*. The weight stays the real ``nn.Parameter`` (state dicts, tied embeddings, fingerprints and
@@ -51,9 +59,24 @@ from torch import Tensor, nn
 
 __all__ = ["PACKED_MIN_ROWS", "PackedLinear", "can_pack", "pack_linear_weights", "unpack_linear_weights"]
 
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``"GenuineIntel"``, ``"AuthenticAMD"``) from ``/proc/cpuinfo``;
+    ``""`` where there is none (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 #: Fewest rows (product of the input's leading dimensions) that take the packed weights; fewer
-#: take ``F.linear`` (faster there on the machine measured, see the module docstring).
-PACKED_MIN_ROWS = 4
+#: take ``F.linear``. 1 on AMD CPUs, 4 elsewhere: where each is faster (see the module docstring).
+PACKED_MIN_ROWS = 1 if cpu_vendor() == "AuthenticAMD" else 4
 
 # The copy-on-write storage that tells a write through any alias (``.data`` included) from none.
 _is_cow = getattr(torch._C, "_is_cow_tensor", None)
