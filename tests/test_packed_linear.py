@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import vegas_ext
@@ -43,11 +44,30 @@ def test_packed_linear_matches_linear(shape, features, bias):
     assert ((y - ref).abs() <= bound + 1e-30).all(), (y - ref).abs().max()
 
 
-def test_default_min_rows_follows_the_cpu_vendor(monkeypatch):
+def test_default_min_rows_follows_the_cpu_vendor_and_threads(monkeypatch):
     import vegas_ext.packed_linear as pl
 
-    assert PackedLinear(nn.Linear(8, 4)).min_rows == PACKED_MIN_ROWS
-    assert PACKED_MIN_ROWS == (1 if pl.cpu_vendor() == "AuthenticAMD" else 4)
+    amd = pl.cpu_vendor() == "AuthenticAMD"
+    assert PACKED_MIN_ROWS == (2 if amd else 4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert pl.default_min_rows() == PACKED_MIN_ROWS
+        torch.set_num_threads(2)
+        assert pl.default_min_rows() == (1 if amd else 4)
+    finally:
+        torch.set_num_threads(threads)
+    # the default is read at every call: a single row takes the path of the current thread count
+    lin = nn.Linear(64, 32)
+    p = PackedLinear(lin)
+    assert p.min_rows is None
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        for rows in (1, 2, 4):
+            monkeypatch.setattr(pl, "default_min_rows", lambda r=rows: r)
+            packed_path = torch.ops.mkldnn._linear_pointwise(x, p._current(), lin.bias, "none", [], "")
+            want = packed_path if rows == 1 else F.linear(x, lin.weight, lin.bias)
+            assert torch.equal(p(x), want)
     monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
     assert pl.cpu_vendor() == ""
 
@@ -126,9 +146,9 @@ def test_can_pack_only_fp32_cpu_linears():
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         pack_linear_weights("not a model")
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="min_rows: expected an int >= 1"):
+        with pytest.raises(ValueError, match="min_rows: expected None or an int >= 1"):
             pack_linear_weights(nn.Linear(4, 4), min_rows=bad)
-        with pytest.raises(ValueError, match="min_rows: expected an int >= 1"):
+        with pytest.raises(ValueError, match="min_rows: expected None or an int >= 1"):
             PackedLinear(nn.Linear(4, 4), min_rows=bad)
 
 

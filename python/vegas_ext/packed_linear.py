@@ -13,15 +13,17 @@ interleaved rounds (``bench/bench_packed_linears.py``):
 * Intel Xeon (AVX-512; ``bench/results/packed_linears_xeon_avx512/``): packed 1.31x faster than
   ``F.linear`` at 4 rows, 1.73x at 12, 1.13x at 28; but 0.80-0.81x at 1-2 rows, where
   ``F.linear`` (MKL's sgemm) streams the weights as a matrix-vector product.
-* AMD EPYC Zen 4 (``bench/results/packed_linears_zen4/``): packed faster at every row count,
-  1.10x at 1 row, 1.64x at 2, 2.52x at 3, 1.89x at 4, 1.50x at 28; at 2 threads 1.59x at 1 row
-  (``F.linear``'s single row runs on one thread there) and 3.49x at 3.
+* AMD EPYC Zen 4 (``bench/results/packed_linears_zen4/``): packed 1.64x at 2 rows, 2.52x at 3,
+  1.89x at 4, 1.50x at 28; at 2 threads 1.59x at 1 row (``F.linear`` runs a single row on one
+  thread) and 3.49x at 3. In a whole plain step at one thread, though, one packed row was 3-4 %
+  slower (``bench/results/packed_linears_zen4/step_costs_ab.md``).
 
-So fewer than ``min_rows`` rows keep ``F.linear``; the default :data:`PACKED_MIN_ROWS` is 1 on
-AMD CPUs and 4 elsewhere (by ``/proc/cpuinfo``'s vendor, so the same machine always takes the
-same path). The packed results were also the same bits for every number of rows from 2 to 36
-(row i of a 4-row product equals row i of a 36-row one); this is what that oneDNN build did, not
-a guarantee.
+So fewer than ``min_rows`` rows keep ``F.linear``; the default (:func:`default_min_rows`, read at
+every call) is 4 on Intel CPUs, 2 on AMD CPUs at one thread and 1 at more (by ``/proc/cpuinfo``'s
+vendor and ``torch.get_num_threads()``, so a machine and thread count always take the same
+path). The packed results were also the same bits for every number of rows from 2 to 36 (row i
+of a 4-row product equals row i of a 36-row one); this is what that oneDNN build did, not a
+guarantee.
 
 Only CPU fp32 linears are packed; the module computes what ``nn.Linear`` would on its weight as it
 is *now*. The weight stays the real ``nn.Parameter`` (state dicts, tied embeddings, fingerprints and
@@ -57,7 +59,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PACKED_MIN_ROWS", "PackedLinear", "can_pack", "pack_linear_weights", "unpack_linear_weights"]
+__all__ = ["PACKED_MIN_ROWS", "PackedLinear", "can_pack", "default_min_rows", "pack_linear_weights",
+           "unpack_linear_weights"]
 
 
 
@@ -74,9 +77,17 @@ def cpu_vendor() -> str:
     return ""
 
 
-#: Fewest rows (product of the input's leading dimensions) that take the packed weights; fewer
-#: take ``F.linear``. 1 on AMD CPUs, 4 elsewhere: where each is faster (see the module docstring).
-PACKED_MIN_ROWS = 1 if cpu_vendor() == "AuthenticAMD" else 4
+#: Fewest rows (product of the input's leading dimensions) that take the packed weights on this CPU
+#: at one thread; fewer take ``F.linear``. 2 on AMD CPUs, 4 elsewhere (see the module docstring).
+PACKED_MIN_ROWS = 2 if cpu_vendor() == "AuthenticAMD" else 4
+_AMD = PACKED_MIN_ROWS == 2
+
+
+def default_min_rows() -> int:
+    """The fewest rows that take the packed weights now: :data:`PACKED_MIN_ROWS`, or 1 on an AMD
+    CPU with more than one thread (``torch.get_num_threads()``), where ``F.linear`` runs one row on
+    one thread."""
+    return 1 if _AMD and torch.get_num_threads() > 1 else PACKED_MIN_ROWS
 
 # The copy-on-write storage that tells a write through any alias (``.data`` included) from none.
 _is_cow = getattr(torch._C, "_is_cow_tensor", None)
@@ -142,7 +153,8 @@ class PackedLinear(nn.Module):
 
     Forward: ``x`` ``[..., in_features]`` -> ``[..., out_features]``. With an fp32 CPU weight, ``x``
     must be a float32 CPU tensor (``ValueError`` naming ``x`` when its last dimension, dtype or
-    device does not fit) and inputs of at least ``min_rows`` rows take the packed weight, fewer
+    device does not fit) and inputs of at least ``min_rows`` rows (``None``: :func:`default_min_rows`
+    at each call) take the packed weight, fewer
     take ``F.linear``. With a weight of another dtype or device (after ``model.to(...)``), under
     CPU autocast, or with grad enabled and a weight or input that requires grad (the packed op has
     no autograd), it is ``F.linear`` on the current weight, exactly ``nn.Linear``.
@@ -152,10 +164,9 @@ class PackedLinear(nn.Module):
     #: prefill cache's fingerprint (:func:`vegas_ext.prefill_cache.fingerprint`) skips them.
     function_independent_attrs = ("_pack", "_pack_lock", "repacks")
 
-    def __init__(self, linear: nn.Linear, min_rows: int = PACKED_MIN_ROWS):
+    def __init__(self, linear: nn.Linear, min_rows: Optional[int] = None):
         super().__init__()
-        if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
-            raise ValueError(f"min_rows: expected an int >= 1, got {min_rows!r}")
+        _check_min_rows(min_rows)
         if not can_pack(linear):
             raise ValueError(f"linear: expected an nn.Linear with an fp32 CPU weight and no hooks, and a PyTorch "
                              f"with oneDNN and copy-on-write storages, got {type(linear).__name__} with "
@@ -237,7 +248,8 @@ class PackedLinear(nn.Module):
             raise ValueError(f"x: expected a float32 CPU tensor [..., {self.in_features}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)} with shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
-        if (x.numel() < self.min_rows * self.in_features
+        min_rows = default_min_rows() if self.min_rows is None else self.min_rows
+        if (x.numel() < min_rows * self.in_features
                 or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
             return nn.functional.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None if b is None else b.detach(), "none", [], "")
@@ -264,7 +276,12 @@ class PackedLinear(nn.Module):
                 f"min_rows={self.min_rows}")
 
 
-def pack_linear_weights(model: nn.Module, min_rows: int = PACKED_MIN_ROWS) -> int:
+def _check_min_rows(min_rows) -> None:
+    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
+        raise ValueError(f"min_rows: expected None or an int >= 1, got {min_rows!r}")
+
+
+def pack_linear_weights(model: nn.Module, min_rows: Optional[int] = None) -> int:
     """Replaces, in place, every ``nn.Linear`` of ``model`` that :func:`can_pack` accepts with a
     :class:`PackedLinear` over the same parameters (``min_rows``: see there); returns how many it
     replaced (0 where none fits, e.g. a CUDA or bf16 model, or PyTorch without oneDNN). Calling it
@@ -279,8 +296,7 @@ def pack_linear_weights(model: nn.Module, min_rows: int = PACKED_MIN_ROWS) -> in
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
-        raise ValueError(f"min_rows: expected an int >= 1, got {min_rows!r}")
+    _check_min_rows(min_rows)
     todo = [(parent, name, child) for parent in model.modules()
             for name, child in parent.named_children() if can_pack(child)]
     packs = {}  # a linear module reached under two names is packed once
