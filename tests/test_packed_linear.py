@@ -141,7 +141,7 @@ def test_can_pack_only_fp32_cpu_linears():
     assert not can_pack(nn.Linear(4, 4).double())
     assert not can_pack(nn.Embedding(4, 4))
     assert not can_pack(PackedLinear(nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match="linear: expected an nn.Linear with an fp32 CPU weight"):
+    with pytest.raises(ValueError, match="linear: expected an nn.Linear with a non-empty fp32 CPU weight"):
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         pack_linear_weights("not a model")
@@ -544,3 +544,30 @@ def test_packed_linear_with_a_computed_weight_is_nn_linear(make):
     if make is _prune:  # made permanent: a plain parameter again, packed and followed
         torch.nn.utils.prune.remove(p, "weight")
         _close_to_linear(p, x)
+
+
+def test_min_rows_accepts_numpy_integers_and_refuses_the_rest():
+    assert PackedLinear(nn.Linear(4, 4), min_rows=np.int64(3)).min_rows == 3
+    assert type(PackedLinear(nn.Linear(4, 4), min_rows=np.int32(2)).min_rows) is int
+    for bad in ("2", 2.0, np.bool_(True), np.int64(0), [2]):
+        with pytest.raises(ValueError, match="min_rows: expected None or an int >= 1"):
+            pack_linear_weights(nn.Sequential(nn.Linear(4, 4)), min_rows=bad)
+
+
+def test_empty_linears_are_not_packed():
+    for lin in (nn.Linear(0, 3), nn.Linear(3, 0)):
+        assert not can_pack(lin)
+        m = nn.Sequential(lin)
+        assert pack_linear_weights(m) == 0
+        assert m(torch.randn(2, lin.in_features)).shape == (2, lin.out_features)
+
+
+def test_a_trainable_bias_keeps_its_gradient():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    lin.weight.requires_grad_(False)  # frozen weight, trained bias
+    p = PackedLinear(lin, min_rows=1)
+    y = p(torch.randn(5, 16))
+    assert y.requires_grad
+    y.sum().backward()
+    assert torch.equal(lin.bias.grad, torch.full((8,), 5.0))

@@ -53,6 +53,7 @@ when the weight changed:
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Optional
 
@@ -133,11 +134,11 @@ def _fresh(p: Optional[tuple], w) -> bool:
 
 def can_pack(linear: nn.Module) -> bool:
     """Whether :func:`pack_linear_weights` packs ``linear``: an ``nn.Linear`` (not a subclass, not
-    already a :class:`PackedLinear`) with an fp32 CPU weight, no hooks and no replaced ``forward``
+    already a :class:`PackedLinear`) with a non-empty fp32 CPU weight, no hooks and no replaced ``forward``
     (packing would drop them), and PyTorch built with oneDNN and copy-on-write storages (2.3+)."""
     return (type(linear) is nn.Linear and torch.backends.mkldnn.is_available()
             and _is_cow is not None and _lazy_clone is not None
-            and _packable_weight(linear.weight) and "forward" not in vars(linear)
+            and _packable_weight(linear.weight) and linear.weight.numel() > 0 and "forward" not in vars(linear)
             and not (linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks
                      or linear._backward_pre_hooks))
 
@@ -166,10 +167,10 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, min_rows: Optional[int] = None):
         super().__init__()
-        _check_min_rows(min_rows)
+        min_rows = _check_min_rows(min_rows)
         if not can_pack(linear):
-            raise ValueError(f"linear: expected an nn.Linear with an fp32 CPU weight and no hooks, and a PyTorch "
-                             f"with oneDNN and copy-on-write storages, got {type(linear).__name__} with "
+            raise ValueError(f"linear: expected an nn.Linear with a non-empty fp32 CPU weight and no hooks, and a "
+                             f"PyTorch with oneDNN and copy-on-write storages, got {type(linear).__name__} with "
                              f"{getattr(getattr(linear, 'weight', None), 'dtype', None)} on "
                              f"{getattr(getattr(linear, 'weight', None), 'device', None)}")
         self.in_features = linear.in_features
@@ -250,7 +251,8 @@ class PackedLinear(nn.Module):
                              f"{tuple(getattr(x, 'shape', ()))}")
         min_rows = default_min_rows() if self.min_rows is None else self.min_rows
         if (x.numel() < min_rows * self.in_features
-                or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+                or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
+                                                or (b is not None and b.requires_grad))):
             return nn.functional.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None if b is None else b.detach(), "none", [], "")
 
@@ -276,9 +278,13 @@ class PackedLinear(nn.Module):
                 f"min_rows={self.min_rows}")
 
 
-def _check_min_rows(min_rows) -> None:
-    if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
+def _check_min_rows(min_rows) -> Optional[int]:
+    """``min_rows`` as an ``int`` (NumPy integers included) or None; ``ValueError`` otherwise."""
+    if min_rows is None:
+        return None
+    if isinstance(min_rows, bool) or not isinstance(min_rows, numbers.Integral) or min_rows < 1:
         raise ValueError(f"min_rows: expected None or an int >= 1, got {min_rows!r}")
+    return int(min_rows)
 
 
 def pack_linear_weights(model: nn.Module, min_rows: Optional[int] = None) -> int:
@@ -296,7 +302,7 @@ def pack_linear_weights(model: nn.Module, min_rows: Optional[int] = None) -> int
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    _check_min_rows(min_rows)
+    min_rows = _check_min_rows(min_rows)
     todo = [(parent, name, child) for parent in model.modules()
             for name, child in parent.named_children() if can_pack(child)]
     packs = {}  # a linear module reached under two names is packed once
