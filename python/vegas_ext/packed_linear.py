@@ -64,7 +64,6 @@ __all__ = ["PACKED_MIN_ROWS", "PackedLinear", "can_pack", "default_min_rows", "p
            "unpack_linear_weights"]
 
 
-
 def cpu_vendor() -> str:
     """The CPU's vendor string (``"GenuineIntel"``, ``"AuthenticAMD"``) from ``/proc/cpuinfo``;
     ``""`` where there is none (not Linux, not x86)."""
@@ -134,8 +133,9 @@ def _fresh(p: Optional[tuple], w) -> bool:
 
 def can_pack(linear: nn.Module) -> bool:
     """Whether :func:`pack_linear_weights` packs ``linear``: an ``nn.Linear`` (not a subclass, not
-    already a :class:`PackedLinear`) with a non-empty fp32 CPU weight, no hooks and no replaced ``forward``
-    (packing would drop them), and PyTorch built with oneDNN and copy-on-write storages (2.3+)."""
+    already a :class:`PackedLinear`) with a non-empty fp32 CPU weight, no hooks and no replaced
+    ``forward`` (packing would drop them), and PyTorch built with oneDNN and copy-on-write storages
+    (2.3+)."""
     return (type(linear) is nn.Linear and torch.backends.mkldnn.is_available()
             and _is_cow is not None and _lazy_clone is not None
             and _packable_weight(linear.weight) and linear.weight.numel() > 0 and "forward" not in vars(linear)
@@ -155,10 +155,10 @@ class PackedLinear(nn.Module):
     Forward: ``x`` ``[..., in_features]`` -> ``[..., out_features]``. With an fp32 CPU weight, ``x``
     must be a float32 CPU tensor (``ValueError`` naming ``x`` when its last dimension, dtype or
     device does not fit) and inputs of at least ``min_rows`` rows (``None``: :func:`default_min_rows`
-    at each call) take the packed weight, fewer
-    take ``F.linear``. With a weight of another dtype or device (after ``model.to(...)``), under
-    CPU autocast, or with grad enabled and a weight or input that requires grad (the packed op has
-    no autograd), it is ``F.linear`` on the current weight, exactly ``nn.Linear``.
+    at each call) take the packed weight, fewer take ``F.linear``. With a weight of another dtype or
+    device (after ``model.to(...)``), under CPU autocast, or with grad enabled and a weight, bias or
+    input that requires grad (the packed op has no autograd), it is ``F.linear`` on the current
+    weight, exactly ``nn.Linear``.
     """
 
     #: Attributes that cache or count, never change the output (the pack follows the weight): the
