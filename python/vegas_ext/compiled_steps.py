@@ -76,8 +76,9 @@ def _no_mask(device: torch.device) -> Tensor:
     """A ``[1, 1, 1, 1]`` bool placeholder: HF returns a 4-D mask as given (no mask built, no
     data-dependent Python), and our attention masks by per-row lengths, never reading it."""
     m = _MASKS.get(device)
-    return m if m is not None else _MASKS.setdefault(device, torch.ones((1, 1, 1, 1), dtype=torch.bool,
-                                                                         device=device))
+    if m is None:
+        m = _MASKS.setdefault(device, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
+    return m
 
 
 def model_forward(model, fwd_kw: str, ids: Tensor, pos: Tensor, keep: int, cache, state) -> Tensor:

@@ -79,8 +79,8 @@ def cpu_vendor() -> str:
 
 #: Fewest rows (product of the input's leading dimensions) that take the packed weights on this CPU
 #: at one thread; fewer take ``F.linear``. 2 on AMD CPUs, 4 elsewhere (see the module docstring).
-PACKED_MIN_ROWS = 2 if cpu_vendor() == "AuthenticAMD" else 4
-_AMD = PACKED_MIN_ROWS == 2
+_AMD = cpu_vendor() == "AuthenticAMD"
+PACKED_MIN_ROWS = 2 if _AMD else 4
 
 
 def default_min_rows() -> int:
