@@ -571,3 +571,34 @@ def test_a_trainable_bias_keeps_its_gradient():
     assert y.requires_grad
     y.sum().backward()
     assert torch.equal(lin.bias.grad, torch.full((8,), 5.0))
+
+
+def test_min_rows_set_after_construction_is_checked_and_takes_effect():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    p = PackedLinear(lin, min_rows=4)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(p(x), F.linear(x, lin.weight, lin.bias))  # 2 rows < 4: F.linear
+        p.min_rows = np.int64(2)
+        assert p.min_rows == 2 and type(p.min_rows) is int
+        packed = torch.ops.mkldnn._linear_pointwise(x, p._current(), lin.bias, "none", [], "")
+        assert torch.equal(p(x), packed)
+    for bad in (0, "2", 2.5, True):
+        with pytest.raises(ValueError, match="min_rows: expected None or an int >= 1"):
+            p.min_rows = bad
+    assert p.min_rows == 2  # a refused value leaves the old one
+    p.min_rows = None
+    assert p.min_rows is None and "min_rows=None" in repr(p)
+
+
+def test_a_pickle_from_before_the_min_rows_property_loads():
+    p = PackedLinear(nn.Linear(8, 4), min_rows=3)
+    state = p.__getstate__()
+    state["min_rows"] = state.pop("_min_rows")  # how the attribute was stored before
+    q = PackedLinear.__new__(PackedLinear)
+    q.__setstate__(state)
+    assert q.min_rows == 3
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), p(x))

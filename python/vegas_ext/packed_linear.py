@@ -167,7 +167,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, min_rows: Optional[int] = None):
         super().__init__()
-        min_rows = _check_min_rows(min_rows)
+        self.min_rows = min_rows  # checked by the setter before anything is packed
         if not can_pack(linear):
             raise ValueError(f"linear: expected an nn.Linear with a non-empty fp32 CPU weight and no hooks, and a "
                              f"PyTorch with oneDNN and copy-on-write storages, got {type(linear).__name__} with "
@@ -177,9 +177,18 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)  # a parameter slot even when None, as nn.Linear
-        self.min_rows = min_rows
         self._init_cache()
         self._repack(own_memory=True)
+
+    @property
+    def min_rows(self) -> Optional[int]:
+        """Fewest rows that take the packed weights (None: :func:`default_min_rows` at each call).
+        Set it like an attribute; a value other than None or an int >= 1 raises ``ValueError``."""
+        return self._min_rows
+
+    @min_rows.setter
+    def min_rows(self, value) -> None:
+        self._min_rows = _check_min_rows(value)
 
     def _init_cache(self) -> None:
         # (weight tensor, its StorageImpl address, that storage (held so the address is not reused),
@@ -249,7 +258,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"x: expected a float32 CPU tensor [..., {self.in_features}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)} with shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
-        min_rows = default_min_rows() if self.min_rows is None else self.min_rows
+        min_rows = default_min_rows() if self._min_rows is None else self._min_rows
         if (x.numel() < min_rows * self.in_features
                 or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
                                                 or (b is not None and b.requires_grad))):
@@ -270,6 +279,9 @@ class PackedLinear(nn.Module):
         return state
 
     def __setstate__(self, state):
+        state = dict(state)
+        if "min_rows" in state:  # pickled before min_rows became a checked property
+            state["_min_rows"] = _check_min_rows(state.pop("min_rows"))
         super().__setstate__(state)
         self._init_cache()  # the copy packs its own weight on its first call (deepcopy, torch.load)
 
