@@ -6,10 +6,11 @@ timings arrive, which decides whether the policy settles on a short draft -- onl
 shows, and one run per configuration says little (the same configuration ran at 1.00x and 1.12x
 plain decoding at 4K, batch 4 on the same machine). This script decodes one batch of
 ``bench/e2e.py``'s prompts (``build_batch``: rows start at different places of the document) with
-``full`` (plain decoding), each ``AutoGamma`` configuration given and each fixed gamma given,
-``--rounds`` times in alternating order, checks that every run's tokens equal plain decoding's,
-and prints one JSON line per run (``decode_tokens_per_s`` of ``out.stats``, gamma histogram, mean
-acceptance length) and per configuration the median ratio to ``full`` of the same round.
+``full`` (plain decoding), each ``auto`` configuration given (keyword arguments of ``RowGamma``,
+the loop's ``auto``) and each fixed gamma given, ``--rounds`` times in alternating order, checks
+that every run's tokens equal plain decoding's, and prints one JSON line per run
+(``decode_tokens_per_s`` of ``out.stats``, γ per iteration and its histogram, mean acceptance
+length) and per configuration the median ratio to ``full`` of the same round.
 
     python -m bench.ab_gamma_policy --context 4096 --batch 4 --rounds 3 \\
         --variants '{"climb": {"climb": true}, "default": {}, "gamma 3": 3}'
@@ -20,6 +21,7 @@ Greedy, EOS ignored, fp32, the embedded model unless ``--model`` names one, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -27,19 +29,26 @@ import torch
 
 from bench.common import add_pack_linears_flag, pack_linears
 from bench.e2e import build_batch
-from vegas_ext import generate, speculation
+from vegas_ext import decode, generate, speculation
 from vegas_ext.models import load_model
 
-_ORIGINAL_AUTO = speculation.AutoGamma
 
-def _policy_class(kwargs: dict):
-    """``AutoGamma`` with ``kwargs`` bound, as a subclass (``generate`` checks its type)."""
-    base = speculation.AutoGamma
+@contextlib.contextmanager
+def _auto_with(kwargs: dict):
+    """While inside, ``gamma_policy="auto"`` in our loop builds ``RowGamma(cap, **kwargs)`` (the
+    policy :func:`vegas_ext.speculation.make_gamma_policy` gives it) instead of its defaults."""
+    original = decode.make_gamma_policy
 
-    def __init__(self, max_gamma):
-        base.__init__(self, max_gamma, **kwargs)
+    def make(cap, gamma_policy, **kw):
+        if gamma_policy == "auto" and cap > 0 and not kw.get("per_request"):
+            return speculation.RowGamma(cap, **kwargs)
+        return original(cap, gamma_policy, **kw)
 
-    return type("AutoGammaVariant", (base,), {"__init__": __init__})
+    decode.make_gamma_policy = make
+    try:
+        yield
+    finally:
+        decode.make_gamma_policy = original
 
 
 def parse_args(argv=None):
@@ -53,14 +62,14 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     add_pack_linears_flag(ap)
     ap.add_argument("--variants", type=json.loads, required=True, metavar="JSON",
-                    help='{"name": AutoGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
+                    help='{"name": RowGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
     a = ap.parse_args(argv)
     if not isinstance(a.variants, dict) or not a.variants or "full" in a.variants:
         ap.error('--variants: a non-empty JSON object of names (not "full") to keyword objects or ints')
     for name, v in a.variants.items():
         if isinstance(v, dict):
             try:
-                speculation.AutoGamma(8, **v)
+                speculation.RowGamma(8, **v)
             except (TypeError, ValueError) as e:
                 ap.error(f"--variants: {name!r}: {e}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -72,7 +81,7 @@ def parse_args(argv=None):
 
 def run_one(model, ids, mask, variant, max_new_tokens, prefill_cache):
     """One greedy ``generate``: ``full`` (variant None), a fixed gamma (an int) or ``auto`` with the
-    AutoGamma keyword arguments ``variant``; the prompt's prefill is shared through ``prefill_cache``."""
+    RowGamma keyword arguments ``variant``; the prompt's prefill is shared through ``prefill_cache``."""
     kw = dict(sparse_attn_algorithm="vegas", sparse_attn_ratio=0.05, eos_token_id=[], prefill_cache=prefill_cache)
     if variant is None:
         kw.update(sparse_attn_algorithm="full", num_speculative_tokens=0)
@@ -80,11 +89,8 @@ def run_one(model, ids, mask, variant, max_new_tokens, prefill_cache):
         kw.update(num_speculative_tokens=variant, gamma_policy="fixed")
     else:
         kw.update(num_speculative_tokens="auto")
-        speculation.AutoGamma = _policy_class(variant)
-    try:
+    with _auto_with(variant if isinstance(variant, dict) else {}):
         return generate(model, ids, mask, max_new_tokens=max_new_tokens, **kw)
-    finally:
-        speculation.AutoGamma = _ORIGINAL_AUTO
 
 
 def main(argv=None):
@@ -108,6 +114,7 @@ def main(argv=None):
             print(json.dumps({"round": r, "name": name, "decode_tokens_per_s": round(tps, 3),
                               "identical_to_plain": bool(torch.equal(out.sequences, ref)),
                               "gamma_histogram": s.get("gamma_histogram"), "num_probes": s.get("num_probes"),
+                              "gamma_per_iteration": s.get("gamma_per_iteration"),
                               "mean_acceptance_length": round(s.get("mean_acceptance_length", 0.0), 3)}), flush=True)
     print(f"\n{a.doc}, context {a.context}, batch {a.batch}, {a.max_new_tokens} new tokens, {a.rounds} rounds, "
           f"{a.threads} thread(s), torch {torch.__version__}, {packed} linears packed for oneDNN")

@@ -476,3 +476,18 @@ def test_ab_gamma_policy_runs_and_checks_tokens(tiny_model_dir):  # noqa: F811
     bad = subprocess.run([sys.executable, "-m", "bench.ab_gamma_policy", "--variants", '{"x": {"bogus": 1}}'],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--variants: 'x'" in bad.stderr
+
+
+def test_ab_gamma_policy_variants_reach_the_loops_policy():
+    """A variant's keyword arguments build the policy our loop's ``auto`` uses (``RowGamma``), only
+    while its run lasts; fixed γ and the vLLM plugin's policy are left alone."""
+    from bench import ab_gamma_policy
+    from vegas_ext import decode
+
+    with ab_gamma_policy._auto_with({"lower_untimed": False, "climb": True}):
+        p = decode.make_gamma_policy(4, "auto")
+        assert type(p) is speculation.RowGamma and p.climb and not p.costs.lower_untimed
+        assert isinstance(decode.make_gamma_policy(4, "fixed"), speculation.FixedGamma)
+        assert isinstance(decode.make_gamma_policy(4, "auto", per_request=True), speculation.PerRequestGamma)
+    p = decode.make_gamma_policy(4, "auto")
+    assert type(p) is speculation.RowGamma and not p.climb and p.costs.lower_untimed
