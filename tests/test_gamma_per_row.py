@@ -94,29 +94,6 @@ def test_token_cost_model_fits_the_line_through_noise():
     assert m.iteration(0, rows, rows) == pytest.approx(c0 + c1 * rows, rel=0.15)
 
 
-def test_one_row_prices_an_untimed_count_at_the_timed_count_below():
-    """With one row the verification cost rises in steps (oneDNN's register blocks of rows): a line
-    between q = 3 and q = 9 overprices q = 4-6, so an untimed q between two timed ones costs the
-    lower one's median until it is timed itself; batches interpolate, and with
-    ``lower_untimed=False`` one row does too."""
-    for lower in (True, False):
-        m = TokenCostModel(lower_untimed=lower)
-        _costs(m, 1, 1, 0.085)  # plain step
-        _costs(m, 3, 1, 0.092, draft=0.012, g=2)
-        _costs(m, 9, 1, 0.124, draft=0.012, g=8)
-        assert m.verify(3, 1) == pytest.approx(0.092) and m.verify(9, 1) == pytest.approx(0.124)
-        want5 = 0.092 if lower else 0.092 + (0.124 - 0.092) * 2 / 6
-        assert m.verify(5, 1) == pytest.approx(want5)
-        _costs(m, 5, 1, 0.096, draft=0.012, g=4)  # timed: its own median from now on
-        assert m.verify(5, 1) == pytest.approx(0.096)
-        assert m.verify(6, 1) == pytest.approx(0.096 if lower else 0.096 + (0.124 - 0.096) / 4)
-    b = TokenCostModel()
-    _costs(b, 4, 4, 0.100)
-    _costs(b, 12, 4, 0.140, draft=0.02, g=2)
-    assert b.verify(8, 4) == pytest.approx(0.120)  # four rows: interpolated
-    assert RowGamma(6).costs.lower_untimed and not RowGamma(6, lower_untimed=False).costs.lower_untimed
-
-
 def test_token_cost_model_refuses_missing_counts():
     with pytest.raises(ValueError, match="tokens and .rows"):
         TokenCostModel().observe(IterationCosts(2, 0.1, 0.2, 0.0))

@@ -484,10 +484,10 @@ def test_ab_gamma_policy_variants_reach_the_loops_policy():
     from bench import ab_gamma_policy
     from vegas_ext import decode
 
-    with ab_gamma_policy._auto_with({"lower_untimed": False, "climb": True}):
+    with ab_gamma_policy._auto_with({"climb": True, "window": 3}):
         p = decode.make_gamma_policy(4, "auto")
-        assert type(p) is speculation.RowGamma and p.climb and not p.costs.lower_untimed
+        assert type(p) is speculation.RowGamma and p.climb and p.costs.window == 3
         assert isinstance(decode.make_gamma_policy(4, "fixed"), speculation.FixedGamma)
         assert isinstance(decode.make_gamma_policy(4, "auto", per_request=True), speculation.PerRequestGamma)
     p = decode.make_gamma_policy(4, "auto")
-    assert type(p) is speculation.RowGamma and not p.climb and p.costs.lower_untimed
+    assert type(p) is speculation.RowGamma and not p.climb and p.costs.window == 5

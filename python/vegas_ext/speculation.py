@@ -508,17 +508,12 @@ class TokenCostModel:
     change what a forward reads, so the verification timings start over then. ``max_batch_sizes``:
     the verification and plain-step timings of at most that many batch sizes (the most recently
     timed) are kept (``None``: all; an engine whose batch size wanders would keep every size it
-    ever ran). ``lower_untimed``: with one row, a token count not timed lately between two timed
-    ones is priced at the lower one's cost rather than interpolated, so the loop times it once: a
-    one-row verification is mostly its linears, whose cost rises in steps with the rows (oneDNN's
-    register blocks: on one Zen 4 core SmolLM2's forward of 1-6 tokens costs ~60 ms at 2K, of 7
-    ~74), and a line between q = 3 and q = 9 overprices q = 4-6.
+    ever ran).
     """
 
-    def __init__(self, window: int = 5, max_batch_sizes: Optional[int] = None, lower_untimed: bool = True):
+    def __init__(self, window: int = 5, max_batch_sizes: Optional[int] = None):
         self.window = int(window)
         self.max_batch_sizes = max_batch_sizes
-        self.lower_untimed = bool(lower_untimed)
         self._batch_sizes: List[int] = []  # timed batch sizes, most recent last (with max_batch_sizes)
         self._verify: Dict[Tuple[int, int], List[float]] = {}  # (rows, tokens) -> seconds of scored passes
         self._plain: Dict[int, List[float]] = {}  # rows -> seconds of its last unscored plain steps
@@ -613,11 +608,8 @@ class TokenCostModel:
     def verify(self, tokens: int, rows: int) -> float:
         """Seconds of a verification of ``tokens`` tokens over ``rows`` rows: the recent median where
         timed, else interpolated between the nearest timed counts (the cost is no line: packed
-        linears get faster per row as rows grow; with one row and :attr:`lower_untimed`, the lower
-        count's), else the line from the nearest timed count."""
-        lower = self.lower_untimed and rows == 1
-        return self._memo(("verify", tokens, rows),
-                          lambda: _curve(self._verify_points(rows), tokens, one="origin", lower=lower))
+        linears get faster per row as rows grow), else the line from the nearest timed count."""
+        return self._memo(("verify", tokens, rows), lambda: _curve(self._verify_points(rows), tokens, one="origin"))
 
     def draft_fit(self) -> Tuple[float, float]:
         """``(d0, d1)`` seconds of a draft step of ``r`` rows, ``d0 + d1 r``."""
@@ -707,17 +699,16 @@ class RowGamma(AutoGamma):
         max_gamma, window, **kwargs: as :class:`AutoGamma`'s (``cost_ema`` is accepted and unused).
         uniform_margin: drafts differ between rows only where that beats uniform drafts by this
             fraction (default ``margin``; 0 where the verification is ragged anyway, as in vLLM).
-        costs: the :class:`TokenCostModel` to use (default a new one of ``window`` and
-            ``lower_untimed``).
+        costs: the :class:`TokenCostModel` to use (default a new one of ``window``).
     """
 
     name = "auto"
 
     def __init__(self, max_gamma: int, window: int = 5, uniform_margin: Optional[float] = None,
-                 costs: Optional[TokenCostModel] = None, lower_untimed: bool = True, **kwargs):
+                 costs: Optional[TokenCostModel] = None, **kwargs):
         kwargs.pop("cost_ema", None)
         super().__init__(max_gamma, window=window, **kwargs)
-        self.costs = TokenCostModel(window, lower_untimed=lower_untimed) if costs is None else costs
+        self.costs = TokenCostModel(window) if costs is None else costs
         # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
         self.uniform_margin = self.margin if uniform_margin is None else float(uniform_margin)
         self.row_acc: List[AcceptanceEstimate] = []
@@ -1021,18 +1012,16 @@ def _weighted_line(pts: List[Tuple[int, float, float]], same_x: str) -> Tuple[fl
     return a, b
 
 
-def _curve(by_n: Dict[int, List[float]], n: int, one: str = "origin", lower: bool = False) -> float:
+def _curve(by_n: Dict[int, List[float]], n: int, one: str = "origin") -> float:
     """Timing at ``n`` from timings per count: the median at ``n``; between two timed counts the
-    interpolation of their medians (``lower``: the lower count's median); outside them the nearest
-    count's median plus the slope of :func:`_line_fit` (0 before any timing)."""
+    interpolation of their medians; outside them the nearest count's median plus the slope of
+    :func:`_line_fit` (0 before any timing)."""
     pts = sorted((k, _median(v)) for k, v in by_n.items() if v)
     if not pts:
         return 0.0
     for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
         if n0 <= n <= n1:
-            if n == n1:
-                return t1
-            return t0 if lower else t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+            return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
     a, b = _line_fit(by_n, one)
     if len(pts) == 1:
         return a + b * n
