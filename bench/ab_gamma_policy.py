@@ -68,9 +68,12 @@ def parse_args(argv=None):
         ap.error('--variants: a non-empty JSON object of names (not "full") to keyword objects or ints')
     for name, v in a.variants.items():
         if isinstance(v, dict):
+            unused = sorted(set(v) & {"cost_ema", "costs"})  # RowGamma ignores cost_ema; costs is no JSON
+            if unused:
+                ap.error(f"--variants: {name!r}: {', '.join(unused)} cannot be varied here")
             try:
                 speculation.RowGamma(8, **v)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 ap.error(f"--variants: {name!r}: {e}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
             ap.error(f"--variants: {name!r} must be a keyword object or a fixed gamma >= 1, got {v!r}")

@@ -491,3 +491,20 @@ def test_ab_gamma_policy_variants_reach_the_loops_policy():
         assert isinstance(decode.make_gamma_policy(4, "auto", per_request=True), speculation.PerRequestGamma)
     p = decode.make_gamma_policy(4, "auto")
     assert type(p) is speculation.RowGamma and not p.climb and p.costs.window == 5
+
+
+def test_policy_settings_are_checked():
+    """A setting of the wrong type or range is refused by name (``climb="false"`` used to turn
+    climbing on, ``window=0`` to fail later)."""
+    bad = [dict(climb="false"), dict(first_gamma=0), dict(first_gamma=2.5), dict(window=0),
+           dict(probe_interval=-1), dict(prior_acceptance=1.5), dict(prior_weight=0), dict(acceptance_decay=0),
+           dict(margin=float("nan")), dict(exploration=-1), dict(uniform_margin=float("inf")),
+           dict(first_gamma=float("inf"))]
+    for kw in bad:
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            RowGamma(8, **kw)
+    with pytest.raises(ValueError, match="costs: expected a TokenCostModel"):
+        RowGamma(8, costs=1)
+    RowGamma(8, uniform_margin=None, climb=True, hopeless_probe_interval=0, prior_acceptance=1.0, window=1)
+    AutoGamma(8, exploration=0.0, cost_ema=1.0)

@@ -602,3 +602,13 @@ def test_a_pickle_from_before_the_min_rows_property_loads():
     x = torch.randn(3, 8)
     with torch.no_grad():
         torch.testing.assert_close(q(x), p(x))
+    # then unchecked: a bad old value falls back to the default with a warning; none at all is None
+    state["min_rows"] = 0
+    with pytest.warns(UserWarning, match="pickled min_rows=0"):
+        q.__setstate__(state)
+    assert q.min_rows is None
+    del state["min_rows"]
+    q.__setstate__(state)
+    assert q.min_rows is None
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), p(x))

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -258,7 +259,9 @@ class PackedLinear(nn.Module):
             raise ValueError(f"x: expected a float32 CPU tensor [..., {self.in_features}], got "
                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', None)} with shape "
                              f"{tuple(getattr(x, 'shape', ()))}")
-        min_rows = default_min_rows() if self._min_rows is None else self._min_rows
+        min_rows = self._min_rows  # read once: another thread may set it meanwhile
+        if min_rows is None:
+            min_rows = default_min_rows()
         if (x.numel() < min_rows * self.in_features
                 or torch.is_grad_enabled() and (w.requires_grad or x.requires_grad
                                                 or (b is not None and b.requires_grad))):
@@ -281,7 +284,14 @@ class PackedLinear(nn.Module):
     def __setstate__(self, state):
         state = dict(state)
         if "min_rows" in state:  # pickled before min_rows became a checked property
-            state["_min_rows"] = _check_min_rows(state.pop("min_rows"))
+            old = state.pop("min_rows")
+            try:
+                state["_min_rows"] = _check_min_rows(old)
+            except ValueError:  # then unchecked; it only ever chose the faster path, never the output
+                warnings.warn(f"PackedLinear: pickled min_rows={old!r} is not None or an int >= 1; using None "
+                              f"(default_min_rows())", stacklevel=2)
+                state["_min_rows"] = None
+        state.setdefault("_min_rows", None)  # pickled before min_rows existed
         super().__setstate__(state)
         self._init_cache()  # the copy packs its own weight on its first call (deepcopy, torch.load)
 

@@ -16,6 +16,7 @@ The design of ``auto`` and the measurements behind its defaults: ``docs/gamma_po
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -23,6 +24,36 @@ from torch import Tensor
 
 __all__ = ["make_gamma_policy", "GammaPolicy", "FixedGamma", "AutoGamma", "RowGamma", "AcceptanceEstimate",
            "StepCostModel", "TokenCostModel", "IterationCosts", "PerRequestGamma", "allocate_drafts"]
+
+#: the policies' numeric settings: ints with their least value; floats with (low, high, low
+#: excluded, the range in words)
+_INT_ARGS = {"first_gamma": 1, "window": 1, "probe_interval": 0, "max_probe_interval": 0,
+             "hopeless_probe_interval": 0}
+_FLOAT_ARGS = {"prior_acceptance": (0.0, 1.0, False, "in [0, 1]"), "prior_weight": (0.0, math.inf, True, "> 0"),
+               "acceptance_decay": (0.0, 1.0, True, "in (0, 1]"), "cost_ema": (0.0, 1.0, True, "in (0, 1]"),
+               "margin": (0.0, math.inf, False, ">= 0"), "exploration": (0.0, math.inf, False, ">= 0"),
+               "uniform_margin": (0.0, math.inf, False, ">= 0")}
+
+
+def _check_policy_args(**values) -> None:
+    """``ValueError`` naming the first setting of :class:`AutoGamma` / :class:`RowGamma` that is not
+    of its type and range (a typo in an A/B variant must not run silently as something else);
+    ``uniform_margin`` may also be None."""
+    for name, v in values.items():
+        if name == "climb":
+            ok, want = isinstance(v, bool), "True or False"
+        elif name in _INT_ARGS:
+            lo = _INT_ARGS[name]
+            ok, want = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= lo, f"an int >= {lo}"
+        elif name == "uniform_margin" and v is None:
+            ok, want = True, ""
+        else:
+            lo, hi, open_lo, words = _FLOAT_ARGS[name]
+            ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                  and (v > lo if open_lo else v >= lo) and v <= hi)
+            want = f"a number {words}" + (" or None" if name == "uniform_margin" else "")
+        if not ok:
+            raise ValueError(f"{name}: expected {want}, got {v!r}")
 
 
 @dataclass
@@ -290,6 +321,11 @@ class AutoGamma(GammaPolicy):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
             raise ValueError(f"num_speculative_tokens (the cap) must be >= 1 with gamma_policy='auto', got {max_gamma}")
+        _check_policy_args(prior_acceptance=prior_acceptance, prior_weight=prior_weight,
+                           acceptance_decay=acceptance_decay, cost_ema=cost_ema, window=window,
+                           first_gamma=first_gamma, probe_interval=probe_interval,
+                           max_probe_interval=max_probe_interval, margin=margin, exploration=exploration,
+                           hopeless_probe_interval=hopeless_probe_interval, climb=climb)
         self.acc = AcceptanceEstimate(self.max_gamma, prior_acceptance, prior_weight, acceptance_decay)
         self.costs = StepCostModel(window, cost_ema)
         self.first_gamma = max(1, min(int(first_gamma), self.max_gamma))
@@ -707,6 +743,9 @@ class RowGamma(AutoGamma):
     def __init__(self, max_gamma: int, window: int = 5, uniform_margin: Optional[float] = None,
                  costs: Optional[TokenCostModel] = None, **kwargs):
         kwargs.pop("cost_ema", None)
+        _check_policy_args(uniform_margin=uniform_margin)
+        if costs is not None and not isinstance(costs, TokenCostModel):
+            raise ValueError(f"costs: expected a TokenCostModel or None, got {type(costs).__name__}")
         super().__init__(max_gamma, window=window, **kwargs)
         self.costs = TokenCostModel(window) if costs is None else costs
         # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
@@ -1042,7 +1081,7 @@ def make_gamma_policy(num_speculative_tokens: int, gamma_policy: str, *, per_req
     :class:`vegas_ext.config.VegasConfig` / the vLLM plugin's options).
 
     Our loop (``per_request=False``): :class:`FixedGamma` ``(0)`` for a cap of 0,
-    :class:`AutoGamma` ``(cap)`` for ``"auto"``, else :class:`FixedGamma` ``(cap)``. The vLLM
+    :class:`RowGamma` ``(cap)`` for ``"auto"``, else :class:`FixedGamma` ``(cap)``. The vLLM
     plugin (``per_request=True``): :class:`PerRequestGamma` ``(cap)`` for ``"auto"``, else ``None``
     (every request drafts the cap)."""
     if per_request:
