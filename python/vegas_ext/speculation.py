@@ -155,9 +155,8 @@ class AcceptanceEstimate:
     """
 
     def __init__(self, max_gamma: int, prior_acceptance: float = 0.8, prior_weight: float = 4.0,
-                 decay: float = 0.97, chained: bool = False):
+                 decay: float = 0.97):
         self.prior_acceptance, self.prior_weight, self.decay = float(prior_acceptance), float(prior_weight), decay
-        self.chained = bool(chained)
         self.tries = [0.0] * max_gamma
         self.successes = [0.0] * max_gamma
 
@@ -167,19 +166,9 @@ class AcceptanceEstimate:
         return (sum(self.successes) + w * self.prior_acceptance) / (sum(self.tries) + w)
 
     def rates(self) -> List[float]:
-        """``[max_gamma]`` estimates ``a_i``. ``chained``: position ``i``'s prior is the larger of
-        the pooled rate and position ``i - 1``'s estimate -- a draft that follows accepted drafts
-        is accepted at least as often (measured: conditional acceptance rises with the position),
-        so positions rarely drafted are not held at the pooled rate, which the first position,
-        the most drafted and least accepted, dominates."""
+        """``[max_gamma]`` estimates ``a_i``, each behind the pooled rate as its prior."""
         w, pooled = self.prior_weight, self.pooled()
-        out, prior = [], pooled
-        for s, n in zip(self.successes, self.tries):
-            a = (s + w * prior) / (n + w)
-            out.append(a)
-            if self.chained:
-                prior = max(pooled, a)
-        return out
+        return [(s + w * pooled) / (n + w) for s, n in zip(self.successes, self.tries)]
 
     def upper(self, exploration: float) -> List[float]:
         """``[max_gamma]`` optimistic estimates ``a_i + exploration * sqrt(a_i (1 - a_i) / n)``,
