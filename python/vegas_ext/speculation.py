@@ -297,7 +297,8 @@ class AutoGamma(GammaPolicy):
     ``probe_interval`` plain steps in a row a probe (interval doubling to ``max_probe_interval``;
     ``hopeless_probe_interval`` where no ``g`` could pay even at acceptance 1); ``climb`` retries
     longer drafts. Design and measurements: ``docs/gamma_policy.md``. Lossless whatever it picks:
-    the choice depends on past timings and acceptances only.
+    the choice depends on past timings and acceptances only. A setting of the wrong type or range
+    raises ``ValueError`` naming it.
     """
 
     name = "auto"
