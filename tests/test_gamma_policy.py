@@ -502,9 +502,9 @@ def test_policy_settings_are_checked():
            dict(first_gamma=float("inf"))]
     for kw in bad:
         name = next(iter(kw))
-        with pytest.raises(ValueError, match=f"^{name}: expected"):
+        with pytest.raises(ValueError, match=f"^{name} must be "):
             RowGamma(8, **kw)
-    with pytest.raises(ValueError, match="costs: expected a TokenCostModel"):
+    with pytest.raises(ValueError, match="costs must be a TokenCostModel"):
         RowGamma(8, costs=1)
     RowGamma(8, uniform_margin=None, climb=True, hopeless_probe_interval=0, prior_acceptance=1.0, window=1)
     AutoGamma(8, exploration=0.0, cost_ema=1.0)

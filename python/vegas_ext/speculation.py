@@ -16,44 +16,36 @@ The design of ``auto`` and the measurements behind its defaults: ``docs/gamma_po
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from torch import Tensor
 
+from .config import OptionTypeError, check_bool, check_float, check_int
+
 __all__ = ["make_gamma_policy", "GammaPolicy", "FixedGamma", "AutoGamma", "RowGamma", "AcceptanceEstimate",
            "StepCostModel", "TokenCostModel", "IterationCosts", "PerRequestGamma", "allocate_drafts"]
 
-#: the policies' numeric settings: ints with their least value; floats with (low, high, low
-#: excluded, the range in words)
-_INT_ARGS = {"first_gamma": 1, "window": 1, "probe_interval": 0, "max_probe_interval": 0,
-             "hopeless_probe_interval": 0}
-_FLOAT_ARGS = {"prior_acceptance": (0.0, 1.0, False, "in [0, 1]"), "prior_weight": (0.0, math.inf, True, "> 0"),
-               "acceptance_decay": (0.0, 1.0, True, "in (0, 1]"), "cost_ema": (0.0, 1.0, True, "in (0, 1]"),
-               "margin": (0.0, math.inf, False, ">= 0"), "exploration": (0.0, math.inf, False, ">= 0"),
-               "uniform_margin": (0.0, math.inf, False, ">= 0")}
-
 
 def _check_policy_args(**values) -> None:
-    """``ValueError`` naming the first setting of :class:`AutoGamma` / :class:`RowGamma` that is not
-    of its type and range (a typo in an A/B variant must not run silently as something else);
-    ``uniform_margin`` may also be None."""
+    """Check the settings of :class:`AutoGamma` / :class:`RowGamma` by type and range (a typo in an
+    A/B variant must not run silently as something else): ``ValueError`` (``OptionTypeError`` for
+    a wrong type) naming the first bad one; ``uniform_margin`` may also be None."""
     for name, v in values.items():
         if name == "climb":
-            ok, want = isinstance(v, bool), "True or False"
-        elif name in _INT_ARGS:
-            lo = _INT_ARGS[name]
-            ok, want = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= lo, f"an int >= {lo}"
-        elif name == "uniform_margin" and v is None:
-            ok, want = True, ""
-        else:
-            lo, hi, open_lo, words = _FLOAT_ARGS[name]
-            ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-                  and (v > lo if open_lo else v >= lo) and v <= hi)
-            want = f"a number {words}" + (" or None" if name == "uniform_margin" else "")
-        if not ok:
-            raise ValueError(f"{name}: expected {want}, got {v!r}")
+            check_bool(v, name)
+        elif name in ("first_gamma", "window"):
+            check_int(v, name, 1)
+        elif name.endswith("probe_interval"):
+            check_int(v, name, 0)
+        elif name == "prior_acceptance":
+            check_float(v, name, 0.0, 1.0)
+        elif name in ("acceptance_decay", "cost_ema"):
+            check_float(v, name, 0.0, 1.0, low_open=True)
+        elif name == "prior_weight":
+            check_float(v, name, 0.0, math.inf, low_open=True)
+        elif not (name == "uniform_margin" and v is None):  # margin, exploration, uniform_margin
+            check_float(v, name, 0.0, math.inf)
 
 
 @dataclass
@@ -735,7 +727,7 @@ class RowGamma(AutoGamma):
         kwargs.pop("cost_ema", None)
         _check_policy_args(uniform_margin=uniform_margin)
         if costs is not None and not isinstance(costs, TokenCostModel):
-            raise ValueError(f"costs: expected a TokenCostModel or None, got {type(costs).__name__}")
+            raise OptionTypeError(f"costs must be a TokenCostModel or None, got {type(costs).__name__}")
         super().__init__(max_gamma, window=window, **kwargs)
         self.costs = TokenCostModel(window) if costs is None else costs
         # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
