@@ -668,7 +668,33 @@ def test_gguf_cache_path_uses_env(tmp_path, monkeypatch):
     p = models.gguf_cache_path(str(f))
     assert p.startswith(str(tmp_path / "cache")) and os.path.basename(p).startswith("m-")
     f.write_bytes(b"x" * 11)
-    assert models.gguf_cache_path(str(f)) != p  # size/mtime change -> new entry
+    assert models.gguf_cache_path(str(f)) != p  # new content -> new entry
+
+
+def test_gguf_cache_keys_on_content_and_prunes_stale_copies(tmp_path, monkeypatch):
+    """A reinstalled copy of the same GGUF file (new mtime, new path) reuses its conversion; new
+    bytes of the same size do not; a conversion deletes same-name copies unused for
+    CACHE_KEEP_DAYS and keeps recent ones and other names."""
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_bytes(b"GGUF" + bytes(range(256)) * 10)
+    os.utime(b, (1e9, 1e9))
+    p = models.gguf_cache_path(str(a))
+    assert models.gguf_cache_path(str(b)) == p
+    b.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 10)  # same size, other bytes
+    assert models.gguf_cache_path(str(b)) != p
+    root = tmp_path / "cache"
+    old, recent, other, odd = (root / n for n in ("m-0123456789abcdef", "m-fedcba9876543210",
+                                                     "n-0123456789abcdef", "m-notahash"))
+    for d in (old, recent, other, odd):
+        d.mkdir(parents=True)
+    stale = time.time() - (models.CACHE_KEEP_DAYS + 1) * 86400
+    for d in (old, other, odd):
+        os.utime(d, (stale, stale))
+    models._prune_stale(p, "m")
+    assert not old.exists() and recent.exists() and other.exists() and odd.exists()
 
 
 def test_documents_exact_prompt_lengths(tiny_model_dir):
@@ -847,7 +873,8 @@ def test_corrupt_gguf_file_is_one_line_error(tmp_path, capsys, monkeypatch, how)
                             "--no-progress"], capsys)
     line = _assert_one_line_error(rc, out, err)
     assert rc == 2 and f"cannot read the GGUF file {path}: " in line and "download it again" in line, line
-    assert not os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else True  # nothing half-cached
+    cache = tmp_path / "cache"  # nothing half-cached (.digests: the files' remembered hashes)
+    assert not [e for e in os.listdir(cache) if e != ".digests"] if cache.exists() else True
 
 
 def test_corrupt_gguf_conversion_cache_names_the_folder_to_delete(tiny_model_dir, tmp_path, capsys, monkeypatch):

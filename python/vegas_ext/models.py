@@ -81,21 +81,75 @@ def cache_root() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("VEGAS_CACHE_DIR") or "~/.cache/vegas_ext"))
 
 
+#: Days a converted model may go unused before a later conversion of a file of the same name
+#: deletes it (each load marks its folder used).
+CACHE_KEEP_DAYS = 14
+
+
+def _content_digest(path: str) -> str:
+    """SHA-256 of the file's bytes (~0.1 s per 100 MB), remembered under the cache root for the
+    file's path, size, mtime and inode so that later loads do not read the whole file again."""
+    st = os.stat(path)
+    memo_key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    memo = os.path.join(cache_root(), ".digests", hashlib.sha256(memo_key.encode()).hexdigest()[:32])
+    try:
+        with open(memo) as f:
+            digest = f.read().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:  # best effort: a read-only cache only costs the hash again
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        tmp = f"{memo}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(digest)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
+
+
 def gguf_cache_path(gguf_path: str) -> str:
     """Cache folder for the converted copy of ``gguf_path``: ``<cache_root>/<name>-<hash>``.
 
-    The hash covers the file's size and modification time and the transformers version
-    (a new converter may convert differently), so a changed file or library re-converts.
+    The hash covers the file's content and the transformers version (a new converter may convert
+    differently), so a changed file or library converts again, and a reinstalled copy of the
+    same file (a new mtime) does not.
     """
     import transformers
 
-    st = os.stat(gguf_path)
-    key = f"{st.st_size}:{st.st_mtime_ns}:transformers-{transformers.__version__}"
+    key = f"{_content_digest(gguf_path)}:transformers-{transformers.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), f"{_stem(gguf_path)}-{digest}")
+
+
+def _stem(gguf_path: str) -> str:
     name = os.path.basename(gguf_path)
-    if name.endswith(".gguf"):
-        name = name[: -len(".gguf")]
-    return os.path.join(cache_root(), f"{name}-{digest}")
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _prune_stale(kept: str, stem: str) -> None:
+    """Delete the other converted copies of files named ``stem`` unused for
+    :data:`CACHE_KEEP_DAYS` (older versions of the file, older transformers)."""
+    parent = os.path.dirname(kept)
+    cutoff = time.time() - CACHE_KEEP_DAYS * 86400
+    for entry in os.listdir(parent):
+        path = os.path.join(parent, entry)
+        head, _, tail = entry.rpartition("-")
+        if (head != stem or path == kept or len(tail) != 16
+                or any(c not in "0123456789abcdef" for c in tail)):
+            continue
+        try:
+            if os.path.getmtime(path) < cutoff:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _is_complete(folder: str) -> bool:
@@ -140,6 +194,7 @@ def convert_gguf(gguf_path: str, out_dir: Optional[str] = None) -> str:
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    _prune_stale(out_dir, _stem(gguf_path))
     return out_dir
 
 
@@ -219,6 +274,11 @@ def load_model(
     if spec.endswith(".gguf") or os.path.isfile(spec):
         cached = gguf_cache_path(spec)
         how = "cache" if _is_complete(cached) else "gguf-convert"
+        if how == "cache":
+            try:  # marks it used (see _prune_stale)
+                os.utime(cached)
+            except OSError:
+                pass
         _loading(f"cannot read the GGUF file {spec}", "truncated or corrupt? download it again", convert_gguf,
                  spec, cached)
         m, tok = _loading(f"cannot load the conversion of {spec} cached in {cached}",
