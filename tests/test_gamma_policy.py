@@ -431,6 +431,8 @@ def test_cli_auto_gamma_is_default_and_reported(tiny_model_dir, capsys):  # noqa
     assert rc == 0, err
     assert "gamma (auto)" in err and "iterations per gamma 0..5" in err
     assert "accept. estimates" in err and "fitted costs" in err
+    costs = next(line for line in err.splitlines() if line.startswith("fitted costs"))
+    assert "n/a q" not in costs, costs  # RowGamma names its slope per token (was printed as n/a)
 
 
 @pytest.mark.parametrize("value", ["fast", "0"])

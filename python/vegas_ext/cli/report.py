@@ -171,8 +171,10 @@ def _speculation_lines(stats: Dict[str, Any], g) -> List[str]:
         lines.append(f"{label:<21}iterations per gamma 0..{len(hist) - 1}: {_jsonable(hist)}")
     if stats.get("acceptance_estimates") is not None:
         lines.append(f"accept. estimates    {_jsonable(stats['acceptance_estimates'])} (per draft position)")
+        # RowGamma's TokenCostModel names its slope per token, AutoGamma's StepCostModel c1
+        c1 = "cost_t_verify_per_token_ms" if "cost_t_verify_per_token_ms" in stats else "cost_t_verify_c1_ms"
         lines.append(f"fitted costs         draft step {g('cost_t_draft_ms', '{:.1f}')} ms, verify(q) "
-                     f"{g('cost_t_verify_c0_ms', '{:.1f}')} + {g('cost_t_verify_c1_ms', '{:.1f}')} q ms, "
+                     f"{g('cost_t_verify_c0_ms', '{:.1f}')} + {g(c1, '{:.1f}')} q ms, "
                      f"select {g('cost_t_select_ms', '{:.1f}')} ms; {g('num_probes', '{}')} probes")
     if hist is not None and stats.get("num_iterations") is not None:  # did speculation happen at all?
         lines.append(f"speculated           {sum(hist[1:])} of {stats['num_iterations']} iterations drafted")
