@@ -172,6 +172,7 @@ def test_human_output_text_to_stdout_stats_to_stderr(tiny_model_dir, capsys):
     assert "decode only" in err and "mean accept" in err
     assert "mean accept" not in out
     assert any(line.startswith("--- vegas stats ---") for line in err.split("\n"))  # not after a bar's \r
+    assert "(plain loop)" in err, err  # our plain loop's run shows its progress too
 
 
 def test_human_output_full_algorithm_has_no_acceptance_lines(tiny_model_dir, capsys):

@@ -88,7 +88,7 @@ def cmd_generate(args) -> int:
     if opts.compare:
         result.update(compare_with_hf(model, batch, run, dtype, opts.do_sample, show))
         if opts.algorithm != "full":
-            result.update(compare_with_plain(model, batch, run, kwargs))
+            result.update(compare_with_plain(model, batch, run, kwargs, show))
 
     print_result(result, run, opts, dtype_name)
     return 0

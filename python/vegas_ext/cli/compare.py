@@ -287,18 +287,21 @@ def compare_with_hf(model, batch: "Batch", run: "Run", dtype, do_sample: bool, s
     )
 
 
-def compare_with_plain(model, batch: "Batch", run: "Run", kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Runs our own plain loop (``sparse_attn_algorithm="full"``) on the same prompts: what
-    speculation itself gained, apart from the loop's kernels. Returns the comparison fields."""
+def compare_with_plain(model, batch: "Batch", run: "Run", kwargs: Dict[str, Any], show: bool = False) -> Dict[str, Any]:
+    """Runs our own plain loop (``sparse_attn_algorithm="full"``) on the same prompts, with its
+    progress on stderr when ``show``: what speculation itself gained, apart from the loop's
+    kernels. Returns the comparison fields."""
     import torch
 
     from .. import generate
 
+    prog = RunProgress(model, "plain loop", batch.size, batch.longest, batch.max_new, show=show,
+                       decode_bar="token" if batch.size == 1 else "forward pass")
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with prog, torch.inference_mode():
         out = generate(model, batch.ids, batch.mask, **{**kwargs, "sparse_attn_algorithm": "full",
                                                         "block_size": None, "draft_weights": None,
-                                                        "streamer": None})
+                                                        "streamer": prog.streamer if batch.size == 1 else None})
     _sync(batch.ids.device)
     plain_wall = time.perf_counter() - t0
     plain = new_tokens(out.sequences, batch.ids.shape[1], batch.eos, batch.max_new)
