@@ -933,3 +933,31 @@ def test_busy_machine_note(monkeypatch):
 
     monkeypatch.setattr(os, "getloadavg", no_load)
     assert report.busy_note() is None
+
+
+def test_busy_machine_note_counts_other_processes_during_the_runs(monkeypatch):
+    """With a snapshot from before the runs the note counts what other processes used while they
+    ran (all CPUs' busy time minus our own), not the load average, which also remembers work that
+    ended before (a new user's report: the note after the test suite had just finished)."""
+    from vegas_ext.cli import report
+
+    n = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (n + 5.0, 0.0, 0.0))  # left over: ignored
+    snaps = iter([(100.0, 50.0, 10.0), (110.0, 62.0, 7.0 + 10.0)])  # 10 s: 12 s busy, 7 s ours
+    monkeypatch.setattr(report, "cpu_snapshot", lambda: next(snaps))
+    assert report.busy_note(report.cpu_snapshot()) is None  # others: 0.5 cores on average
+    snaps = iter([(100.0, 50.0, 10.0), (110.0, 70.0, 17.0)])  # others: 1.3 cores
+    note = report.busy_note(report.cpu_snapshot())
+    assert note.startswith(f"note: other processes used 1.3 of {n} cores") and "idle machine" in note
+
+
+def test_cpu_snapshot_reads_proc_stat():
+    from vegas_ext.cli import report
+
+    a = report.cpu_snapshot()
+    if not os.path.exists("/proc/stat"):
+        assert a is None
+        return
+    sum(i * i for i in range(200_000))  # some CPU time of our own
+    b = report.cpu_snapshot()
+    assert b[0] > a[0] and b[1] >= a[1] and b[2] > a[2]

@@ -51,7 +51,7 @@ from .decoding import generate_kwargs, make_generator, run_vegas
 from .inputs import _read_prompts as _read_prompts, _read_stdin as _read_stdin, make_batch, new_tokens
 from .loading import _load, _resolve_device_dtype, import_decoder
 from .progress import LOG_INTERVAL_S, RunProgress, _LogBar as _LogBar
-from .report import build_result, print_result, prompt_line
+from .report import build_result, cpu_snapshot, print_result, prompt_line
 
 __all__ = [
     "main", "cmd_generate", "build_parser", "CLIError", "ALGORITHMS", "DTYPES", "LOG_INTERVAL_S",
@@ -80,6 +80,7 @@ def cmd_generate(args) -> int:
     if show:
         _eprint(prompt_line(opts, batch))
     kwargs = generate_kwargs(opts, batch, make_generator(opts, device))
+    since = cpu_snapshot()  # other processes' CPU use from here on (busy_note)
     if opts.compare:
         warm_up(model, batch, kwargs, opts.algorithm)
 
@@ -90,7 +91,7 @@ def cmd_generate(args) -> int:
         if opts.algorithm != "full":
             result.update(compare_with_plain(model, batch, run, kwargs, show))
 
-    print_result(result, run, opts, dtype_name)
+    print_result(result, run, opts, dtype_name, since)
     return 0
 
 

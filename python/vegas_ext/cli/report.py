@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from .common import _eprint, _jsonable
 from .compare import identical_line
@@ -53,9 +54,10 @@ def build_result(args, tok, batch: Batch, run: Run, dtype_name: str, device, pac
     return result
 
 
-def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str) -> None:
+def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str,
+                 since: Optional[Tuple[float, float, float]] = None) -> None:
     """One JSON object on stdout with ``--json``; else the text (unless it streamed) on stdout and
-    the statistics and comparisons on stderr."""
+    the statistics and comparisons on stderr, and :func:`busy_note` (``since``: its snapshot)."""
     if args.json:
         print(json.dumps(_jsonable(result), default=str))
         return
@@ -70,21 +72,55 @@ def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str) -> Non
         _print_hf_comparison(result, dtype_name)
     if result.get("plain_time_s") is not None:
         _print_plain_comparison(result)
-    note = busy_note()
+    note = busy_note(since)
     if note:
         _eprint(note)
 
 
-def busy_note() -> Optional[str]:
-    """A warning line when the 1-minute load average exceeds the cores (plus a margin for this
-    process's own threads winding down): other jobs then shared the CPU, and runs made one after
-    another (Vegas, the plain loop, HF) were timed under different loads. ``None`` otherwise or
-    where the OS has no load average."""
+#: Cores' worth of CPU that other processes may use on average during the runs before the
+#: report says the speeds are not comparable.
+OTHER_CORES_NOTE = 0.5
+
+
+def cpu_snapshot() -> Optional[Tuple[float, float, float]]:
+    """``(wall, busy, own)`` seconds now: a monotonic clock, the busy time of all CPUs (``/proc/stat``:
+    user, nice, system, irq, softirq, and steal, the time a hypervisor gave other machines) and this
+    process's own CPU time. ``None`` where there is no ``/proc/stat`` (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        if fields[0] != "cpu":
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    t = os.times()
+    return time.monotonic(), busy, t.user + t.system
+
+
+def busy_note(since: Optional[Tuple[float, float, float]] = None) -> Optional[str]:
+    """A warning line when other processes shared the CPU while the runs (Vegas, the plain loop,
+    HF, one after another) were timed, so that they ran under different loads; ``None`` otherwise.
+
+    ``since``: a :func:`cpu_snapshot` from before the runs; then the measure is the CPU time all
+    CPUs were busy minus this process's own over the wall time (more than
+    :data:`OTHER_CORES_NOTE` cores on average warns). Without it (or without ``/proc/stat``) the
+    1-minute load average above the cores (plus a margin for this process's threads winding down)
+    warns; it also counts work that ended before the runs began.
+    """
+    n = os.cpu_count() or 1
+    now = cpu_snapshot() if since is not None else None
+    if now is not None and now[0] > since[0]:
+        others = max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / (now[0] - since[0])
+        if others <= OTHER_CORES_NOTE:
+            return None
+        return (f"note: other processes used {others:.1f} of {n} cores on average during these runs, so their "
+                "speeds and speedups are not comparable; rerun on an idle machine")
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
-    n = os.cpu_count() or 1
     if load <= n + 0.75:
         return None
     return (f"note: load average {load:.1f} on {n} cores: other jobs shared the CPU during this run, so its "
