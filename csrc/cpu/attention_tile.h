@@ -97,7 +97,9 @@ inline int row_block(int rem) { return kAvx2Blocks && rem == 4 ? 2 : std::min(kQ
 // core, fp32, SmolLM2 / Llama-3-8B shapes at 8K and 32K (bench/results/kernels_xeon_avx512/ab_l2_prefetch_grid.md):
 // verify_attention 1.01-1.09x faster at Q = 7, 1.05-1.28x at Q = 1; in a torch-free
 // microbenchmark of this loop, prefetchnta or no prefetch were slower than either. Only the
-// AVX-512 build was measured; the AVX2 and baseline builds use the same hint.
+// AVX-512 build was measured; the AVX2 and baseline builds use the same hint. On an AMD Zen 4
+// core prefetcht0 was also slower in the op at Q = 1-5 and no faster at Q = 7-9 (SmolLM2 batch 4,
+// 8K, K/V from DRAM; python -m bench.ab_trees_cpu), though it helped the torch-free loop there.
 // The prefetches go out one line (or a few) at a time through the compute, never as a burst: a
 // QK step asks for one row's line (qk_block: the first MT head_dim steps of each line; the pair
 // QK: MT / 8 rows per pair step; the few-rows QK: the rows i = r (mod R) in row r's pass, one
