@@ -687,15 +687,17 @@ def test_gguf_cache_keys_on_content_and_prunes_stale_copies(tmp_path, monkeypatc
     b.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 10)  # same size, other bytes
     assert models.gguf_cache_path(str(b)) != p
     root = tmp_path / "cache"
-    old, recent, other, odd = (root / n for n in ("m-0123456789abcdef", "m-fedcba9876543210",
-                                                     "n-0123456789abcdef", "m-notahash"))
-    for d in (old, recent, other, odd):
+    old, recent, other, odd, old_tmp, tmp = (root / n for n in (
+        "m-0123456789abcdef", "m-fedcba9876543210", "n-0123456789abcdef", "m-notahash",
+        "m-0123456789abcdef.tmp-k1ll3d", "m-fedcba9876543210.tmp-4ctive"))
+    for d in (old, recent, other, odd, old_tmp, tmp):
         d.mkdir(parents=True)
     stale = time.time() - (models.CACHE_KEEP_DAYS + 1) * 86400
-    for d in (old, other, odd):
+    for d in (old, other, odd, old_tmp):
         os.utime(d, (stale, stale))
     models._prune_stale(p, "m")
-    assert not old.exists() and recent.exists() and other.exists() and odd.exists()
+    assert not old.exists() and not old_tmp.exists()
+    assert recent.exists() and other.exists() and odd.exists() and tmp.exists()
 
 
 def test_documents_exact_prompt_lengths(tiny_model_dir):

@@ -136,12 +136,13 @@ def _stem(gguf_path: str) -> str:
 
 def _prune_stale(kept: str, stem: str) -> None:
     """Delete the other converted copies of files named ``stem`` unused for
-    :data:`CACHE_KEEP_DAYS` (older versions of the file, older transformers)."""
+    :data:`CACHE_KEEP_DAYS` (older versions of the file, older transformers), and conversions of
+    them that never finished (a killed process's temporary folders) as old."""
     parent = os.path.dirname(kept)
     cutoff = time.time() - CACHE_KEEP_DAYS * 86400
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
-        head, _, tail = entry.rpartition("-")
+        head, _, tail = entry.split(".tmp-")[0].rpartition("-")
         if (head != stem or path == kept or len(tail) != 16
                 or any(c not in "0123456789abcdef" for c in tail)):
             continue
