@@ -700,6 +700,22 @@ def test_gguf_cache_keys_on_content_and_prunes_stale_copies(tmp_path, monkeypatc
     assert recent.exists() and other.exists() and odd.exists() and tmp.exists()
 
 
+def test_unreadable_gguf_is_one_line_error(tmp_path, monkeypatch):
+    """Reading the file for its cache key fails (an I/O error, no permission): one ValueError line
+    naming the file, not an OSError traceback; needs_conversion leaves the telling to load_model."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+
+    def unreadable(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(models, "_content_digest", unreadable)
+    with pytest.raises(ValueError, match=rf"^cannot read the GGUF file {re.escape(str(f))}: .*Input/output error"):
+        models.load_model(str(f))
+    assert models.needs_conversion(str(f)) is False
+
+
 def test_documents_exact_prompt_lengths(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -204,7 +204,7 @@ def needs_conversion(model: Optional[str] = None) -> bool:
     try:
         spec = default_model_path() if model is None else os.path.expanduser(str(model))
         return spec.endswith(".gguf") and os.path.isfile(spec) and not _is_complete(gguf_cache_path(spec))
-    except ValueError:
+    except (ValueError, OSError):  # load_model says what is wrong
         return False
 
 
@@ -254,7 +254,8 @@ def load_model(
 
     * ``None``: the embedded SmolLM2-135M-Instruct GGUF (see :func:`default_model_path`);
     * a path to a ``.gguf`` file: converted once through transformers' GGUF support and
-      cached (see :func:`convert_gguf`), later loads read the cached fp32 checkpoint;
+      cached (see :func:`convert_gguf`, :func:`gguf_cache_path`), later loads read the cached
+      fp32 checkpoint;
     * a local Hugging Face model folder (``config.json`` + weights + tokenizer);
     * a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, only if already in the local
       Hugging Face cache (no network access is attempted).
@@ -273,7 +274,7 @@ def load_model(
     spec = os.path.expanduser(str(model))
     check_model_path(spec)  # a missing path, a non-GGUF file, a folder without config.json
     if spec.endswith(".gguf") or os.path.isfile(spec):
-        cached = gguf_cache_path(spec)
+        cached = _loading(f"cannot read the GGUF file {spec}", "check that it is readable", gguf_cache_path, spec)
         how = "cache" if _is_complete(cached) else "gguf-convert"
         if how == "cache":
             try:  # marks it used (see _prune_stale)
