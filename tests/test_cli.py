@@ -690,14 +690,38 @@ def test_gguf_cache_keys_on_content_and_prunes_stale_copies(tmp_path, monkeypatc
     old, recent, other, odd, old_tmp, tmp = (root / n for n in (
         "m-0123456789abcdef", "m-fedcba9876543210", "n-0123456789abcdef", "m-notahash",
         "m-0123456789abcdef.tmp-k1ll3d", "m-fedcba9876543210.tmp-4ctive"))
-    for d in (old, recent, other, odd, old_tmp, tmp):
+    users = root / "m-00000000000000aa"  # named like a conversion, but no SOURCE.txt: not ours
+    link = root / "m-00000000000000bb"  # a symlink to a conversion elsewhere
+    elsewhere = tmp_path / "elsewhere" / "m-0123456789abcdef"  # beside an out_dir of the caller's
+    for d in (old, recent, other, odd, old_tmp, tmp, users, elsewhere):
         d.mkdir(parents=True)
+        (d / "SOURCE.txt").write_text("converted") if d is not users else (d / "data.txt").write_text("mine")
+    link.symlink_to(old_tmp)
     stale = time.time() - (models.CACHE_KEEP_DAYS + 1) * 86400
-    for d in (old, other, odd, old_tmp):
+    for d in (old, other, odd, old_tmp, users, elsewhere):
         os.utime(d, (stale, stale))
+    os.utime(link, (stale, stale), follow_symlinks=False)
+    models._prune_stale(str(elsewhere.parent / "m-fedcba9876543210"), "m")  # out_dir outside the root
+    assert elsewhere.exists()
     models._prune_stale(p, "m")
-    assert not old.exists() and not old_tmp.exists()
-    assert recent.exists() and other.exists() and odd.exists() and tmp.exists()
+    assert not old.exists() and not old_tmp.exists() and link.is_symlink()
+    assert recent.exists() and other.exists() and odd.exists() and tmp.exists() and users.exists()
+
+
+def test_gguf_digest_memo_damaged_or_cache_unwritable(tmp_path, monkeypatch):
+    """A damaged remembered hash is computed again (not trusted, not an error); a cache root that
+    cannot be written is named before the ~20 s conversion, with what to do."""
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" * 100)
+    p = models.gguf_cache_path(str(f))
+    (memo,) = (tmp_path / "cache" / ".digests").iterdir()
+    for junk in (b"\xff" * 64, b"z" * 64, b"A" * 64, b""):
+        memo.write_bytes(junk)
+        assert models.gguf_cache_path(str(f)) == p
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(f))  # a file, not a folder
+    with pytest.raises(ValueError, match="model cache folder .* VEGAS_CACHE_DIR"):
+        models.load_model(str(f))
 
 
 def test_unreadable_gguf_is_one_line_error(tmp_path, monkeypatch):
@@ -967,6 +991,14 @@ def test_busy_machine_note_counts_other_processes_during_the_runs(monkeypatch):
     snaps = iter([(100.0, 50.0, 10.0), (110.0, 70.0, 17.0)])  # others: 1.3 cores
     note = report.busy_note(report.cpu_snapshot())
     assert note.startswith(f"note: other processes used 1.3 of {n} cores") and "idle machine" in note
+
+
+def test_json_reports_other_processes_cores(tiny_model_dir, capsys):
+    rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the day", "--max-new-tokens", "3",
+                            "--json", "--no-progress"], capsys)
+    assert rc == 0, err
+    v = json.loads(out)["other_processes_cores"]
+    assert (v is None) if not os.path.exists("/proc/stat") else (isinstance(v, float) and v >= 0.0)
 
 
 def test_cpu_snapshot_reads_proc_stat():

@@ -510,3 +510,12 @@ def test_policy_settings_are_checked():
         RowGamma(8, costs=1)
     RowGamma(8, uniform_margin=None, climb=True, hopeless_probe_interval=0, prior_acceptance=1.0, window=1)
     AutoGamma(8, exploration=0.0, cost_ema=1.0)
+    # numpy scalars and 0-d tensors are taken as the numbers they hold (their stats stay JSON)
+    import json
+
+    import numpy as np
+    for cls in (AutoGamma, RowGamma):
+        p = cls(8, acceptance_decay=torch.tensor(0.5), cost_ema=np.float32(0.5), window=np.int64(3),
+                margin=torch.tensor(0.1), first_gamma=torch.tensor(2))
+        assert type(p.acc.decay) is float and type(p.window) is int and type(p.first_gamma) is int
+        json.dumps(p.stats())

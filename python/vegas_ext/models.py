@@ -88,16 +88,17 @@ CACHE_KEEP_DAYS = 14
 
 def _content_digest(path: str) -> str:
     """SHA-256 of the file's bytes (~0.1 s per 100 MB), remembered under the cache root for the
-    file's path, size, mtime and inode so that later loads do not read the whole file again."""
+    file's path, size, mtime, ctime and inode so that later loads do not read the whole file again."""
     st = os.stat(path)
-    memo_key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    # ctime too: an edit in place that restores the mtime still changes it
+    memo_key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
     memo = os.path.join(cache_root(), ".digests", hashlib.sha256(memo_key.encode()).hexdigest()[:32])
     try:
-        with open(memo) as f:
-            digest = f.read().strip()
-        if len(digest) == 64:
+        with open(memo, "rb") as f:
+            digest = f.read(65).decode("ascii", "replace")
+        if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
             return digest
-    except OSError:
+    except OSError:  # missing, a folder, unreadable: hash the file again (a damaged memo too)
         pass
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -135,16 +136,23 @@ def _stem(gguf_path: str) -> str:
 
 
 def _prune_stale(kept: str, stem: str) -> None:
-    """Delete the other converted copies of files named ``stem`` unused for
+    """Delete the other converted copies of files named ``stem`` in the cache root unused for
     :data:`CACHE_KEEP_DAYS` (older versions of the file, older transformers), and conversions of
-    them that never finished (a killed process's temporary folders) as old."""
+    them that never finished (a killed process's temporary folders) as old. Only folders that
+    :func:`convert_gguf` wrote (``<stem>-<16 hex>`` holding its ``SOURCE.txt``, or such a name
+    with a ``.tmp-`` suffix), never symlinks, and nothing when ``kept`` is outside the cache root
+    (an ``out_dir`` of the caller's)."""
     parent = os.path.dirname(kept)
+    if not stem or os.path.abspath(parent) != cache_root():
+        return
     cutoff = time.time() - CACHE_KEEP_DAYS * 86400
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
-        head, _, tail = entry.split(".tmp-")[0].rpartition("-")
-        if (head != stem or path == kept or len(tail) != 16
-                or any(c not in "0123456789abcdef" for c in tail)):
+        name, tmp, _ = entry.partition(".tmp-")
+        head, _, tail = name.rpartition("-")
+        if (head != stem or path == kept or len(tail) != 16 or any(c not in "0123456789abcdef" for c in tail)
+                or os.path.islink(path) or not os.path.isdir(path)
+                or not (tmp or os.path.isfile(os.path.join(path, "SOURCE.txt")))):
             continue
         try:
             if os.path.getmtime(path) < cutoff:
@@ -233,6 +241,20 @@ def _first_line(e: BaseException) -> str:
     return msg if msg and kind in ("ValueError", "OSError") else f"{kind}: {msg}" if msg else kind
 
 
+def _check_writable(folder: str) -> None:
+    """``ValueError`` naming ``folder`` (the cache root) when a conversion could not be saved
+    there, before the ~20 s it takes."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        ok = os.access(folder, os.W_OK | os.X_OK)
+    except OSError as e:
+        raise ValueError(f"cannot create the model cache folder {folder}: {e.strerror or e} "
+                         "(set VEGAS_CACHE_DIR to a writable folder)") from None
+    if not ok:
+        raise ValueError(f"the model cache folder {folder} is not writable "
+                         "(set VEGAS_CACHE_DIR to a writable folder)")
+
+
 def _loading(what: str, remedy: str, fn, *args: Any, **kw: Any):
     """``fn(*args, **kw)``; any exception it raises (a corrupt file fails in safetensors, gguf,
     json, struct, tokenizers ... each with its own type) becomes one ``ValueError`` line
@@ -281,6 +303,8 @@ def load_model(
                 os.utime(cached)
             except OSError:
                 pass
+        else:
+            _check_writable(os.path.dirname(cached))
         _loading(f"cannot read the GGUF file {spec}", "truncated or corrupt? download it again", convert_gguf,
                  spec, cached)
         m, tok = _loading(f"cannot load the conversion of {spec} cached in {cached}",

@@ -27,25 +27,31 @@ __all__ = ["make_gamma_policy", "GammaPolicy", "FixedGamma", "AutoGamma", "RowGa
            "StepCostModel", "TokenCostModel", "IterationCosts", "PerRequestGamma", "allocate_drafts"]
 
 
-def _check_policy_args(**values) -> None:
-    """Check the settings of :class:`AutoGamma` / :class:`RowGamma` by type and range (a typo in an
-    A/B variant must not run silently as something else): ``ValueError`` (``OptionTypeError`` for
-    a wrong type) naming the first bad one; ``uniform_margin`` may also be None."""
+def _check_policy_args(**values) -> Dict[str, object]:
+    """The settings of :class:`AutoGamma` / :class:`RowGamma` checked by type and range (a typo in
+    an A/B variant must not run silently as something else) and returned as plain ``int`` /
+    ``float`` / ``bool`` (a numpy scalar or a 0-d tensor becomes a number): ``ValueError``
+    (``OptionTypeError`` for a wrong type) naming the first bad one; ``uniform_margin`` may also be
+    None."""
+    out: Dict[str, object] = {}
     for name, v in values.items():
         if name == "climb":
-            check_bool(v, name)
+            out[name] = check_bool(v, name)
         elif name in ("first_gamma", "window"):
-            check_int(v, name, 1)
+            out[name] = check_int(v, name, 1)
         elif name.endswith("probe_interval"):
-            check_int(v, name, 0)
+            out[name] = check_int(v, name, 0)
         elif name == "prior_acceptance":
-            check_float(v, name, 0.0, 1.0)
+            out[name] = check_float(v, name, 0.0, 1.0)
         elif name in ("acceptance_decay", "cost_ema"):
-            check_float(v, name, 0.0, 1.0, low_open=True)
+            out[name] = check_float(v, name, 0.0, 1.0, low_open=True)
         elif name == "prior_weight":
-            check_float(v, name, 0.0, math.inf, low_open=True)
-        elif not (name == "uniform_margin" and v is None):  # margin, exploration, uniform_margin
-            check_float(v, name, 0.0, math.inf)
+            out[name] = check_float(v, name, 0.0, math.inf, low_open=True)
+        elif name == "uniform_margin" and v is None:
+            out[name] = None
+        else:  # margin, exploration, uniform_margin
+            out[name] = check_float(v, name, 0.0, math.inf)
+    return out
 
 
 @dataclass
@@ -303,22 +309,22 @@ class AutoGamma(GammaPolicy):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
             raise ValueError(f"num_speculative_tokens (the cap) must be >= 1 with gamma_policy='auto', got {max_gamma}")
-        _check_policy_args(prior_acceptance=prior_acceptance, prior_weight=prior_weight,
-                           acceptance_decay=acceptance_decay, cost_ema=cost_ema, window=window,
-                           first_gamma=first_gamma, probe_interval=probe_interval,
-                           max_probe_interval=max_probe_interval, margin=margin, exploration=exploration,
-                           hopeless_probe_interval=hopeless_probe_interval, climb=climb)
-        self.acc = AcceptanceEstimate(self.max_gamma, prior_acceptance, prior_weight, acceptance_decay)
-        self.costs = StepCostModel(window, cost_ema)
-        self.first_gamma = max(1, min(int(first_gamma), self.max_gamma))
-        self.min_probe_interval = self.probe_interval = int(probe_interval)
-        self.max_probe_interval = int(max_probe_interval)
-        self.hopeless_probe_interval = int(hopeless_probe_interval)
-        self.margin = float(margin)
-        self.exploration = float(exploration)
+        v = _check_policy_args(prior_acceptance=prior_acceptance, prior_weight=prior_weight,
+                               acceptance_decay=acceptance_decay, cost_ema=cost_ema, window=window,
+                               first_gamma=first_gamma, probe_interval=probe_interval,
+                               max_probe_interval=max_probe_interval, margin=margin, exploration=exploration,
+                               hopeless_probe_interval=hopeless_probe_interval, climb=climb)
+        self.acc = AcceptanceEstimate(self.max_gamma, v["prior_acceptance"], v["prior_weight"], v["acceptance_decay"])
+        self.costs = StepCostModel(v["window"], v["cost_ema"])
+        self.first_gamma = max(1, min(v["first_gamma"], self.max_gamma))
+        self.min_probe_interval = self.probe_interval = v["probe_interval"]
+        self.max_probe_interval = v["max_probe_interval"]
+        self.hopeless_probe_interval = v["hopeless_probe_interval"]
+        self.margin = v["margin"]
+        self.exploration = v["exploration"]
         self.num_probes = 0
         self._plain_run = 0
-        self.climb = bool(climb)
+        self.climb = v["climb"]
         self.climb_interval = self.min_probe_interval
         self._same_run = 0  # speculative iterations in a row drafting at most `_steady` tokens
         self._steady = 0
@@ -725,11 +731,11 @@ class RowGamma(AutoGamma):
     def __init__(self, max_gamma: int, window: int = 5, uniform_margin: Optional[float] = None,
                  costs: Optional[TokenCostModel] = None, **kwargs):
         kwargs.pop("cost_ema", None)
-        _check_policy_args(uniform_margin=uniform_margin)
+        uniform_margin = _check_policy_args(uniform_margin=uniform_margin)["uniform_margin"]
         if costs is not None and not isinstance(costs, TokenCostModel):
             raise OptionTypeError(f"costs must be a TokenCostModel or None, got {type(costs).__name__}")
         super().__init__(max_gamma, window=window, **kwargs)
-        self.costs = TokenCostModel(window) if costs is None else costs
+        self.costs = TokenCostModel(self.window) if costs is None else costs
         # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
         self.uniform_margin = self.margin if uniform_margin is None else float(uniform_margin)
         self.row_acc: List[AcceptanceEstimate] = []

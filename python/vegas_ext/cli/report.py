@@ -59,6 +59,8 @@ def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str,
     """One JSON object on stdout with ``--json``; else the text (unless it streamed) on stdout and
     the statistics and comparisons on stderr, and :func:`busy_note` (``since``: its snapshot)."""
     if args.json:
+        others = other_cores(since)  # the note's measure, for a reader of the JSON
+        result["other_processes_cores"] = None if others is None else round(others, 2)
         print(json.dumps(_jsonable(result), default=str))
         return
     if not run.streamed:
@@ -95,8 +97,17 @@ def cpu_snapshot() -> Optional[Tuple[float, float, float]]:
         busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
-    t = os.times()
-    return time.monotonic(), busy, t.user + t.system
+    t = os.times()  # our children too (a compiler that torch.compile starts is ours)
+    return time.monotonic(), busy, t.user + t.system + t.children_user + t.children_system
+
+
+def other_cores(since: Optional[Tuple[float, float, float]]) -> Optional[float]:
+    """Cores' worth of CPU that other processes used on average since the :func:`cpu_snapshot`
+    ``since``; ``None`` without one or without ``/proc/stat``."""
+    now = cpu_snapshot() if since is not None else None
+    if now is None or now[0] <= since[0]:
+        return None
+    return max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / (now[0] - since[0])
 
 
 def busy_note(since: Optional[Tuple[float, float, float]] = None) -> Optional[str]:
@@ -110,9 +121,8 @@ def busy_note(since: Optional[Tuple[float, float, float]] = None) -> Optional[st
     warns; it also counts work that ended before the runs began.
     """
     n = os.cpu_count() or 1
-    now = cpu_snapshot() if since is not None else None
-    if now is not None and now[0] > since[0]:
-        others = max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / (now[0] - since[0])
+    others = other_cores(since)
+    if others is not None:
         if others <= OTHER_CORES_NOTE:
             return None
         return (f"note: other processes used {others:.1f} of {n} cores on average during these runs, so their "
