@@ -71,13 +71,13 @@ EOF
 case "$cuda_plan" in
   on)
     what="CPU kernels + CUDA kernels (torch is a CUDA build and nvcc is at $CUDA_HOME; arch ${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX})"
-    expect="~5-10 min for the CPU kernels + ~8-10 min for the CUDA kernels on 2 cores. No GPU here? VEGAS_BUILD_CUDA=0 bash scripts/setup.sh skips the CUDA kernels" ;;
+    expect="~2-10 min for the CPU kernels + ~8-10 min for the CUDA kernels on 2 cores. No GPU here? VEGAS_BUILD_CUDA=0 bash scripts/setup.sh skips the CUDA kernels" ;;
   off-by-flag)
     what="CPU kernels only (VEGAS_BUILD_CUDA=0)"
-    expect="~5-10 min on 2 cores" ;;
+    expect="~2-10 min on 2 cores" ;;
   *)
     what="CPU kernels only (no CUDA toolkit or a CPU build of torch: the CUDA kernels are skipped)"
-    expect="~5-10 min on 2 cores" ;;
+    expect="~2-10 min on 2 cores" ;;
 esac
 step 2 "the Python dependencies (transformers, gguf, accelerate, tqdm, pytest, hypothesis, scipy, matplotlib) and the extension: $what" \
   "$expect; seconds when nothing changed"

@@ -61,8 +61,10 @@ def test_rows_finishing_at_different_times_equal_each_row_alone(family, algorith
         out = vegas_ext.generate(model, ids, mask, **kw)
     finally:
         hook.remove()
-    # forwards shrink as rows finish
-    assert seen[0] == 4 and seen == sorted(seen, reverse=True), seen
+    # forwards shrink as rows finish (with auto a draft step may carry only the rows that still
+    # draft, per-row drafts chosen from measured timings, so a draft forward can be narrower than
+    # the verification after it: under load 1 draft row before 2 verified; the last two checks hold)
+    assert seen[0] == 4 and (gamma == "auto" or seen == sorted(seen, reverse=True)), seen
     # the last forward runs without the rows that finished early (they are done after <= 7 tokens)
     n_new = [min(s + 1, NEW) for s in stops]
     assert seen[-1] == 4 - sum(n < max(n_new) for n in n_new) if algorithm == "full" else seen[-1] <= 3, seen

@@ -987,18 +987,22 @@ def test_busy_machine_note_counts_other_processes_during_the_runs(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (n + 5.0, 0.0, 0.0))  # left over: ignored
     snaps = iter([(100.0, 50.0, 10.0), (110.0, 62.0, 7.0 + 10.0)])  # 10 s: 12 s busy, 7 s ours
     monkeypatch.setattr(report, "cpu_snapshot", lambda: next(snaps))
-    assert report.busy_note(report.cpu_snapshot()) is None  # others: 0.5 cores on average
+    assert report.busy_note([report.cpu_snapshot()]) is None  # others: 0.5 cores on average
     snaps = iter([(100.0, 50.0, 10.0), (110.0, 70.0, 17.0)])  # others: 1.3 cores
-    note = report.busy_note(report.cpu_snapshot())
+    note = report.busy_note([report.cpu_snapshot()])
     assert note.startswith(f"note: other processes used 1.3 of {n} cores") and "idle machine" in note
+    # three runs: the load in one of them shows, though the average over all is 0.4 cores
+    snaps = iter([(0.0, 0.0, 0.0), (10.0, 10.0, 10.0), (20.0, 32.0, 20.0), (30.0, 42.0, 30.0)])
+    marks = [report.cpu_snapshot() for _ in range(3)]
+    assert report.busy_note(marks).startswith("note: other processes used 1.2 of")
 
 
 def test_json_reports_other_processes_cores(tiny_model_dir, capsys):
     rc, out, err = run_cli(["generate", "--model", tiny_model_dir, "--prompt", "the day", "--max-new-tokens", "3",
                             "--json", "--no-progress"], capsys)
     assert rc == 0, err
-    v = json.loads(out)["other_processes_cores"]
-    assert (v is None) if not os.path.exists("/proc/stat") else (isinstance(v, float) and v >= 0.0)
+    v = json.loads(out)["other_processes_cores"]  # None also for a run too short to measure (< 50 ms)
+    assert v is None or (isinstance(v, float) and v >= 0.0), v
 
 
 def test_cpu_snapshot_reads_proc_stat():

@@ -80,18 +80,20 @@ def cmd_generate(args) -> int:
     if show:
         _eprint(prompt_line(opts, batch))
     kwargs = generate_kwargs(opts, batch, make_generator(opts, device))
-    since = cpu_snapshot()  # other processes' CPU use from here on (busy_note)
     if opts.compare:
         warm_up(model, batch, kwargs, opts.algorithm)
 
+    marks = [cpu_snapshot()]  # before each run: other processes' CPU use per run (busy_note)
     run = run_vegas(model, tok, batch, kwargs, opts)
     result = build_result(opts, tok, batch, run, dtype_name, device, packed)
     if opts.compare:
+        marks.append(cpu_snapshot())
         result.update(compare_with_hf(model, batch, run, dtype, opts.do_sample, show))
         if opts.algorithm != "full":
+            marks.append(cpu_snapshot())
             result.update(compare_with_plain(model, batch, run, kwargs, show))
 
-    print_result(result, run, opts, dtype_name, since)
+    print_result(result, run, opts, dtype_name, None if None in marks else marks)
     return 0
 
 

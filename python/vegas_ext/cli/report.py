@@ -55,11 +55,11 @@ def build_result(args, tok, batch: Batch, run: Run, dtype_name: str, device, pac
 
 
 def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str,
-                 since: Optional[Tuple[float, float, float]] = None) -> None:
+                 marks: Optional[Marks] = None) -> None:
     """One JSON object on stdout with ``--json``; else the text (unless it streamed) on stdout and
-    the statistics and comparisons on stderr, and :func:`busy_note` (``since``: its snapshot)."""
+    the statistics and comparisons on stderr, and :func:`busy_note` (``marks``: its snapshots)."""
     if args.json:
-        others = other_cores(since)  # the note's measure, for a reader of the JSON
+        others = other_cores(marks)  # the note's measure, for a reader of the JSON
         result["other_processes_cores"] = None if others is None else round(others, 2)
         print(json.dumps(_jsonable(result), default=str))
         return
@@ -74,7 +74,7 @@ def print_result(result: Dict[str, Any], run: Run, args, dtype_name: str,
         _print_hf_comparison(result, dtype_name)
     if result.get("plain_time_s") is not None:
         _print_plain_comparison(result)
-    note = busy_note(since)
+    note = busy_note(marks)
     if note:
         _eprint(note)
 
@@ -101,32 +101,41 @@ def cpu_snapshot() -> Optional[Tuple[float, float, float]]:
     return time.monotonic(), busy, t.user + t.system + t.children_user + t.children_system
 
 
-def other_cores(since: Optional[Tuple[float, float, float]]) -> Optional[float]:
-    """Cores' worth of CPU that other processes used on average since the :func:`cpu_snapshot`
-    ``since``; ``None`` without one or without ``/proc/stat``."""
-    now = cpu_snapshot() if since is not None else None
-    if now is None or now[0] <= since[0]:
+Marks = List[Tuple[float, float, float]]
+
+
+def other_cores(marks: Optional[Marks]) -> Optional[float]:
+    """Cores' worth of CPU that other processes used on average in the busiest interval between
+    consecutive :func:`cpu_snapshot` ``marks`` (one before each run) and now, so that load during
+    one run of several shows; ``None`` without marks or without ``/proc/stat``."""
+    now = cpu_snapshot() if marks else None
+    if now is None:
         return None
-    return max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / (now[0] - since[0])
+    most = None
+    for a, b in zip(marks, [*marks[1:], now]):
+        if b[0] - a[0] > 0.05:  # a span too short to measure says nothing
+            used = max(0.0, (b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0])
+            most = used if most is None else max(most, used)
+    return most
 
 
-def busy_note(since: Optional[Tuple[float, float, float]] = None) -> Optional[str]:
-    """A warning line when other processes shared the CPU while the runs (Vegas, the plain loop,
-    HF, one after another) were timed, so that they ran under different loads; ``None`` otherwise.
+def busy_note(marks: Optional[Marks] = None) -> Optional[str]:
+    """A warning line when other processes shared the CPU while the runs (Vegas, HF, the plain
+    loop, one after another) were timed, so that they ran under different loads; ``None`` otherwise.
 
-    ``since``: a :func:`cpu_snapshot` from before the runs; then the measure is the CPU time all
-    CPUs were busy minus this process's own over the wall time (more than
-    :data:`OTHER_CORES_NOTE` cores on average warns). Without it (or without ``/proc/stat``) the
-    1-minute load average above the cores (plus a margin for this process's threads winding down)
-    warns; it also counts work that ended before the runs began.
+    ``marks``: a :func:`cpu_snapshot` before each run; then the measure is, in the busiest run,
+    the CPU time all CPUs were busy minus this process's own (and its children's) over the wall
+    time (more than :data:`OTHER_CORES_NOTE` cores warns). Without them (or without
+    ``/proc/stat``) the 1-minute load average above the cores (plus a margin for this process's
+    threads winding down) warns; it also counts work that ended before the runs began.
     """
     n = os.cpu_count() or 1
-    others = other_cores(since)
+    others = other_cores(marks)
     if others is not None:
         if others <= OTHER_CORES_NOTE:
             return None
-        return (f"note: other processes used {others:.1f} of {n} cores on average during these runs, so their "
-                "speeds and speedups are not comparable; rerun on an idle machine")
+        return (f"note: other processes used {others:.1f} of {n} cores during these runs (the busiest of them), so "
+                "their speeds and speedups are not comparable; rerun on an idle machine")
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):
