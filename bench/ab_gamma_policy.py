@@ -41,7 +41,7 @@ def _auto_with(kwargs: dict):
 
     def make(cap, gamma_policy, **kw):
         if gamma_policy == "auto" and cap > 0 and not kw.get("per_request"):
-            return speculation.RowGamma(cap, **kwargs)
+            return speculation.RowGamma(cap, **_policy_kwargs(kwargs))
         return original(cap, gamma_policy, **kw)
 
     decode.make_gamma_policy = make
@@ -49,6 +49,14 @@ def _auto_with(kwargs: dict):
         yield
     finally:
         decode.make_gamma_policy = original
+
+
+def _policy_kwargs(variant: dict) -> dict:
+    """RowGamma keyword arguments from a variant's JSON object (``costs``: TokenCostModel's)."""
+    kw = dict(variant)
+    if "costs" in kw:
+        kw["costs"] = speculation.TokenCostModel(kw.get("window", 5), **kw["costs"])
+    return kw
 
 
 def parse_args(argv=None):
@@ -62,17 +70,19 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     add_pack_linears_flag(ap)
     ap.add_argument("--variants", type=json.loads, required=True, metavar="JSON",
-                    help='{"name": RowGamma keyword arguments (an object) or a fixed gamma (an int), ...}')
+                    help='{"name": RowGamma keyword arguments (an object; "costs": an object of TokenCostModel\'s) '
+                         'or a fixed gamma (an int), ...}')
     a = ap.parse_args(argv)
     if not isinstance(a.variants, dict) or not a.variants or "full" in a.variants:
         ap.error('--variants: a non-empty JSON object of names (not "full") to keyword objects or ints')
     for name, v in a.variants.items():
         if isinstance(v, dict):
-            unused = sorted(set(v) & {"cost_ema", "costs"})  # RowGamma ignores cost_ema; costs is no JSON
-            if unused:
-                ap.error(f"--variants: {name!r}: {', '.join(unused)} cannot be varied here")
+            if "cost_ema" in v:  # RowGamma ignores it
+                ap.error(f"--variants: {name!r}: cost_ema cannot be varied here")
+            if not isinstance(v.get("costs", {}), dict):
+                ap.error(f"--variants: {name!r}: costs must be an object of TokenCostModel keyword arguments")
             try:
-                speculation.RowGamma(8, **v)
+                speculation.RowGamma(8, **_policy_kwargs(v))
             except (TypeError, ValueError, OverflowError) as e:
                 ap.error(f"--variants: {name!r}: {e}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:

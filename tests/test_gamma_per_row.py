@@ -94,6 +94,40 @@ def test_token_cost_model_fits_the_line_through_noise():
     assert m.iteration(0, rows, rows) == pytest.approx(c0 + c1 * rows, rel=0.15)
 
 
+def test_token_cost_model_prices_a_first_timing_no_higher_than_its_neighbours():
+    """A first call at a new shape carries one-time costs (oneDNN: 45 ms at the first 7 rows, 33 at
+    the second): a count timed once is priced at no more than the curve through the counts timed
+    twice, and its second timing replaces the first; with ``provisional_first=False`` it stands."""
+    line = lambda n: 0.050 + 0.004 * n  # noqa: E731  seconds, batch 1
+    for provisional in (True, False):
+        m = TokenCostModel(provisional_first=provisional)
+        for n in (1, 3, 5):  # each count's first timing inflated by 15 ms, then a second timing
+            _costs(m, n, 1, line(n) + 0.015, scored=n > 1)
+            _costs(m, n, 1, line(n), scored=n > 1)
+        _costs(m, 7, 1, line(7) + 0.015, scored=True)  # timed once: its first call
+        if provisional:
+            assert m.verify(7, 1) == pytest.approx(line(7))  # the line through 1, 3, 5
+            assert m.verify(6, 1) == pytest.approx(line(6))
+            _costs(m, 7, 1, line(7) - 0.001, scored=True)  # the second timing replaces the first
+            assert m.verify(7, 1) == pytest.approx(line(7) - 0.001)
+            assert m.plain(1) == pytest.approx(line(1))
+        else:  # the first timings stand, in the medians too
+            assert m.verify(7, 1) == pytest.approx(line(7) + 0.015)
+            assert m.plain(1) == pytest.approx(line(1) + 0.0075)
+    # a lone first timing below the curve is kept (it is an upper bound), and before two counts
+    # were timed twice the first timings are what there is
+    m = TokenCostModel()
+    for n in (1, 5):
+        _costs(m, n, 1, line(n), scored=n > 1)
+        _costs(m, n, 1, line(n), scored=n > 1)
+    _costs(m, 3, 1, line(3) - 0.010, scored=True)
+    assert m.verify(3, 1) == pytest.approx(line(3) - 0.010)
+    m = TokenCostModel()
+    _costs(m, 1, 1, 0.070)
+    _costs(m, 5, 1, 0.090, scored=True)
+    assert m.ready() and m.plain(1) == pytest.approx(0.070) and m.verify(5, 1) == pytest.approx(0.090)
+
+
 def test_token_cost_model_refuses_missing_counts():
     with pytest.raises(ValueError, match="tokens and .rows"):
         TokenCostModel().observe(IterationCosts(2, 0.1, 0.2, 0.0))

@@ -186,6 +186,34 @@ def test_auto_climbs_out_of_short_drafts_after_early_rejections():
     assert p.acceptance()[1] > 0.9
 
 
+def test_optimistic_gamma_chooses_the_length_at_the_upper_bound():
+    """``optimistic_gamma``: where the estimates say speculate, the draft length is the best at the
+    upper-bound acceptance; with the same observations it drafts at least as long, and it still
+    decodes plainly where drafts are rejected."""
+    caps = torch.tensor([200])
+    lengths = {}
+    for opt in (False, True):
+        p = RowGamma(8, optimistic_gamma=opt)
+        p.observe_prefill(9, 1, 0.2)
+        gs = []
+        for it in range(30):
+            g = p.choose(caps, 8)
+            gs.append(g)
+            acc = 0 if it == 1 and g > 1 else g  # one early rejection at position 1
+            p.observe_iteration(IterationCosts(g, 0.01 * g, 0.07 + 0.004 * (g + 1), 0.001 if g else 0.0,
+                                               scored=g > 0, tokens=g + 1, rows=1), torch.tensor([g]),
+                                torch.tensor([acc]))
+        lengths[opt] = gs[5:]
+    assert min(a <= b for a, b in zip(lengths[False], lengths[True])) and sum(lengths[True]) > sum(lengths[False])
+    p = RowGamma(8, optimistic_gamma=True)
+    p.observe_prefill(9, 1, 0.2)
+    for _ in range(30):
+        g = p.choose(caps, 8)
+        p.observe_iteration(IterationCosts(g, 0.01 * g, 0.07 + 0.004 * (g + 1), 0.001 if g else 0.0, scored=g > 0,
+                                           tokens=g + 1, rows=1), torch.tensor([g]), torch.tensor([0]))
+    assert p.history[-10:].count(0) >= 8
+
+
 def test_auto_explores_while_few_trials_say_it_loses():
     """Batch 1 at 8K-like costs (a draft step ~0.55 of a plain step, speculation worth ~+10 % at
     the true acceptance): the first two drafts are rejected. On the estimates alone speculation
@@ -498,7 +526,7 @@ def test_ab_gamma_policy_variants_reach_the_loops_policy():
 def test_policy_settings_are_checked():
     """A setting of the wrong type or range is refused by name (``climb="false"`` used to turn
     climbing on, ``window=0`` to fail later)."""
-    bad = [dict(climb="false"), dict(first_gamma=0), dict(first_gamma=2.5), dict(window=0),
+    bad = [dict(climb="false"), dict(optimistic_gamma=1), dict(first_gamma=0), dict(first_gamma=2.5), dict(window=0),
            dict(probe_interval=-1), dict(prior_acceptance=1.5), dict(prior_weight=0), dict(acceptance_decay=0),
            dict(margin=float("nan")), dict(exploration=-1), dict(uniform_margin=float("inf")),
            dict(first_gamma=float("inf"))]

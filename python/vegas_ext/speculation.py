@@ -35,7 +35,7 @@ def _check_policy_args(**values) -> Dict[str, object]:
     None."""
     out: Dict[str, object] = {}
     for name, v in values.items():
-        if name == "climb":
+        if name in ("climb", "optimistic_gamma"):
             out[name] = check_bool(v, name)
         elif name in ("first_gamma", "window"):
             out[name] = check_int(v, name, 1)
@@ -294,9 +294,10 @@ class AutoGamma(GammaPolicy):
     (``exploration`` standard errors); warm-up drafts ``first_gamma`` then one plain step; after
     ``probe_interval`` plain steps in a row a probe (interval doubling to ``max_probe_interval``;
     ``hopeless_probe_interval`` where no ``g`` could pay even at acceptance 1); ``climb`` retries
-    longer drafts. Design and measurements: ``docs/gamma_policy.md``. Lossless whatever it picks:
-    the choice depends on past timings and acceptances only. A setting of the wrong type or range
-    raises ``ValueError`` naming it.
+    longer drafts; ``optimistic_gamma`` chooses the length of a draft at the upper-bound acceptance
+    (whether to draft stays on the estimates). Design and measurements: ``docs/gamma_policy.md``.
+    Lossless whatever it picks: the choice depends on past timings and acceptances only. A setting
+    of the wrong type or range raises ``ValueError`` naming it.
     """
 
     name = "auto"
@@ -305,7 +306,7 @@ class AutoGamma(GammaPolicy):
                  acceptance_decay: float = 0.97, cost_ema: float = 0.5, window: int = 5,
                  first_gamma: int = 2, probe_interval: int = 4, max_probe_interval: int = 32,
                  margin: float = 0.03, exploration: float = 1.0, hopeless_probe_interval: int = 64,
-                 climb: bool = False):
+                 climb: bool = False, optimistic_gamma: bool = False):
         super().__init__(max_gamma)
         if self.max_gamma < 1:
             raise ValueError(f"num_speculative_tokens (the cap) must be >= 1 with gamma_policy='auto', got {max_gamma}")
@@ -313,7 +314,8 @@ class AutoGamma(GammaPolicy):
                                acceptance_decay=acceptance_decay, cost_ema=cost_ema, window=window,
                                first_gamma=first_gamma, probe_interval=probe_interval,
                                max_probe_interval=max_probe_interval, margin=margin, exploration=exploration,
-                               hopeless_probe_interval=hopeless_probe_interval, climb=climb)
+                               hopeless_probe_interval=hopeless_probe_interval, climb=climb,
+                               optimistic_gamma=optimistic_gamma)
         self.acc = AcceptanceEstimate(self.max_gamma, v["prior_acceptance"], v["prior_weight"], v["acceptance_decay"])
         self.costs = StepCostModel(v["window"], v["cost_ema"])
         self.first_gamma = max(1, min(v["first_gamma"], self.max_gamma))
@@ -325,6 +327,7 @@ class AutoGamma(GammaPolicy):
         self.num_probes = 0
         self._plain_run = 0
         self.climb = v["climb"]
+        self.optimistic_gamma = v["optimistic_gamma"]
         self.climb_interval = self.min_probe_interval
         self._same_run = 0  # speculative iterations in a row drafting at most `_steady` tokens
         self._steady = 0
@@ -414,6 +417,9 @@ class AutoGamma(GammaPolicy):
         rate = [self.rate(g, caps) for g in range(hi + 1)]
         rate[0] *= 1.0 + self.margin  # speculate only on a clear predicted gain
         g = max(range(hi + 1), key=lambda i: rate[i])
+        if g > 0 and self.optimistic_gamma:  # which draft length: at the upper-bound acceptance
+            up = self.acceptance_upper()
+            g = max(range(1, hi + 1), key=lambda i: self.rate(i, caps, up))
         if g == 0 and self.exploration > 0:  # few trials behind the estimates: optimistic
             best = max(range(1, hi + 1), key=lambda i: rate[i])
             if self.rate(best, caps, self.acceptance_upper()) > rate[0]:
@@ -532,12 +538,18 @@ class TokenCostModel:
     change what a forward reads, so the verification timings start over then. ``max_batch_sizes``:
     the verification and plain-step timings of at most that many batch sizes (the most recently
     timed) are kept (``None``: all; an engine whose batch size wanders would keep every size it
-    ever ran).
+    ever ran). A count's first timing is provisional (``provisional_first``): a first call at a new
+    shape carries one-time costs (oneDNN prepares each new shape once: 211 packed linears took
+    45 ms at their first 7 rows and 33 ms at the second), so the second timing replaces it, and
+    while it stands alone it prices its count at no more than the line through the counts timed
+    twice (an upper bound, the policy would otherwise not draft that count again).
     """
 
-    def __init__(self, window: int = 5, max_batch_sizes: Optional[int] = None):
+    def __init__(self, window: int = 5, max_batch_sizes: Optional[int] = None, provisional_first: bool = True):
         self.window = int(window)
         self.max_batch_sizes = max_batch_sizes
+        self.provisional_first = bool(provisional_first)
+        self._first: set = set()  # ("plain", rows) / ("verify", (rows, tokens)) timed once, at their first
         self._batch_sizes: List[int] = []  # timed batch sizes, most recent last (with max_batch_sizes)
         self._verify: Dict[Tuple[int, int], List[float]] = {}  # (rows, tokens) -> seconds of scored passes
         self._plain: Dict[int, List[float]] = {}  # rows -> seconds of its last unscored plain steps
@@ -547,10 +559,22 @@ class TokenCostModel:
         self.rows = 0  # the batch's rows at the latest timing
         self._observed, self._memo_of, self._memos = 0, -1, {}
 
-    def _push(self, by: dict, key, t: float) -> None:
+    def _push(self, by: dict, key, t: float, first: Optional[str] = None) -> None:
+        """Append ``t`` to ``by[key]`` (the last ``window`` kept); with ``first`` (the dict's name),
+        a key's first timing is marked provisional and dropped when its second arrives."""
         xs = by.setdefault(key, [])
+        mark = (first, key)
+        if first and self.provisional_first:
+            if not xs:
+                self._first.add(mark)
+            elif mark in self._first:
+                self._first.discard(mark)
+                xs.clear()
         xs.append(t)
         del xs[: -self.window]
+
+    def _provisional(self, name: str, key) -> bool:
+        return (name, key) in self._first
 
     @property
     def t_plain(self) -> Optional[float]:
@@ -566,9 +590,9 @@ class TokenCostModel:
         if self.max_batch_sizes:
             self._keep_recent(c.rows)
         if c.gamma == 0 and not c.scored:
-            self._push(self._plain, c.rows, c.verify)
+            self._push(self._plain, c.rows, c.verify, "plain")
         else:
-            self._push(self._verify, (c.rows, c.tokens), c.verify)
+            self._push(self._verify, (c.rows, c.tokens), c.verify, "verify")
         if c.gamma:
             self.subsets = c.draft_steps is not None
             for r, t in (c.draft_steps or [(c.rows, c.draft / c.gamma)]):
@@ -585,8 +609,10 @@ class TokenCostModel:
         sizes.append(rows)
         for old in sizes[: -self.max_batch_sizes]:
             self._plain.pop(old, None)
+            self._first.discard(("plain", old))
             for key in [k for k in self._verify if k[0] == old]:
                 del self._verify[key]
+                self._first.discard(("verify", key))
         del sizes[: -self.max_batch_sizes]
 
     def batch_sizes(self) -> List[int]:
@@ -607,18 +633,22 @@ class TokenCostModel:
     def _points(self, rows: int) -> Dict[int, List[float]]:
         """Verification timings per token count for a batch of ``rows`` rows (a plain step is a
         verification of ``rows`` tokens); those of every batch size while ``rows``' own do not yet
-        span two token counts (rows left the batch lately)."""
-        own = {n: list(v) for (r, n), v in self._verify.items() if r == rows}
+        span two token counts (rows left the batch lately). A count timed once, at its first
+        (provisional) timing, counts at no more than the curve through the other counts."""
+        own: Dict[int, List[float]] = {}
+        first: Dict[int, List[float]] = {}
+        for (r, n), v in self._verify.items():
+            if r == rows and v:
+                (first if self._provisional("verify", (r, n)) else own).setdefault(n, []).extend(v)
         if self._plain.get(rows):
-            own.setdefault(rows, []).extend(self._plain[rows])
-        if len(own) >= 2:
-            return own
-        every: Dict[int, List[float]] = {}
-        for (_, n), v in self._verify.items():
-            every.setdefault(n, []).extend(v)
-        for r, v in self._plain.items():
-            every.setdefault(r, []).extend(v)
-        return every
+            (first if self._provisional("plain", rows) else own).setdefault(rows, []).extend(self._plain[rows])
+        if len(own.keys() | first.keys()) < 2:
+            own, first = {}, {}
+            for (_, n), v in self._verify.items():
+                own.setdefault(n, []).extend(v)
+            for r, v in self._plain.items():
+                own.setdefault(r, []).extend(v)
+        return _bounded(own, first)
 
     def ready(self) -> bool:
         """Whether verification was timed at two token counts at least (the line is determined)."""
@@ -640,9 +670,11 @@ class TokenCostModel:
         return self._memo("draft", lambda: _line_fit(self._draft, one="flat"))
 
     def plain(self, rows: int) -> float:
-        """Seconds of a plain step of ``rows`` rows: its recent median, else from the verification."""
+        """Seconds of a plain step of ``rows`` rows: its recent median, else from the verification
+        (a provisional first timing: at most the verification curve's)."""
         if self._plain.get(rows):
-            return _median(self._plain[rows])
+            t = _median(self._plain[rows])
+            return min(t, self.verify(rows, rows)) if self._provisional("plain", rows) else t
         return self.verify(rows, rows)
 
     def draft_step(self, rows: int) -> float:
@@ -1054,6 +1086,19 @@ def _curve(by_n: Dict[int, List[float]], n: int, one: str = "origin") -> float:
         return a + b * n
     k, t = pts[0] if n < pts[0][0] else pts[-1]
     return max(0.0, t + b * (n - k))
+
+
+def _bounded(timed: Dict[int, List[float]], first: Dict[int, List[float]]) -> Dict[int, List[float]]:
+    """``timed`` with the counts of ``first`` (each a provisional first timing, an upper bound)
+    added at no more than :func:`_curve` through ``timed`` where ``timed`` spans two counts, else
+    as they are."""
+    out = {n: list(v) for n, v in timed.items()}
+    for n, v in first.items():
+        t = _median(v)
+        if len(timed) >= 2:
+            t = min(t, _curve(timed, n))
+        out.setdefault(n, []).append(t)
+    return out
 
 
 def _median(xs: List[float], empty=None):
