@@ -121,6 +121,14 @@ def test_bad_max_gamma(bad):
         PerRequestGamma(bad)
 
 
+@pytest.mark.parametrize("kw, name", [(dict(window=None), "window"), (dict(window=0), "window"),
+                                      (dict(max_batch_sizes=0), "max_batch_sizes"),
+                                      (dict(max_batch_sizes="4"), "max_batch_sizes"), (dict(margin=-1), "margin")])
+def test_bad_settings_are_named(kw, name):
+    with pytest.raises(ValueError, match=f"^{name} must be "):
+        PerRequestGamma(4, **kw)
+
+
 def test_vllm_gamma_policy_option_is_validated():
     from vegas_ext.vllm.options import VegasOptions
 

@@ -769,7 +769,7 @@ class RowGamma(AutoGamma):
         super().__init__(max_gamma, window=window, **kwargs)
         self.costs = TokenCostModel(self.window) if costs is None else costs
         # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
-        self.uniform_margin = self.margin if uniform_margin is None else float(uniform_margin)
+        self.uniform_margin = self.margin if uniform_margin is None else uniform_margin
         self.row_acc: List[AcceptanceEstimate] = []
         self.row_choices = [0] * (self.max_gamma + 1)  # row-iterations per g
         self._choice: Optional[_RowChoice] = None  # while choose_rows runs
@@ -929,7 +929,8 @@ class PerRequestGamma:
             ``margin``, ``window``, ...; ``cost_ema`` is accepted and unused).
 
     Raises:
-        ValueError: ``max_gamma`` not an integer ``>= 1``.
+        ValueError: ``max_gamma`` or ``max_batch_sizes`` not an integer ``>= 1``, or an
+            ``auto_kwargs`` setting of the wrong type or range (named).
     """
 
     history_kept = 256  # steps of RowGamma.history kept: an engine runs for ever
@@ -939,7 +940,8 @@ class PerRequestGamma:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
         kw = {"uniform_margin": 0.0, **auto_kwargs}
-        costs = TokenCostModel(int(kw.get("window", 5)), max_batch_sizes=max_batch_sizes)
+        window = _check_policy_args(window=kw.get("window", 5))["window"]
+        costs = TokenCostModel(window, max_batch_sizes=check_int(max_batch_sizes, "max_batch_sizes", 1))
         #: the engine's policy; its row estimates are the step's requests' (:attr:`requests`)
         self.row_policy = _EngineRowGamma(max_gamma, costs=costs, **kw)
         self.requests: Dict[str, AcceptanceEstimate] = {}  # by request id

@@ -311,6 +311,7 @@ def compare_with_plain(model, batch: "Batch", run: "Run", kwargs: Dict[str, Any]
     ours_tps = run.stats["wall_tokens_per_s"]
     return dict(
         plain_time_s=plain_wall,
+        plain_num_tokens=n_plain,
         plain_tokens_per_s=plain_tps,
         speedup_vs_plain=(ours_tps / plain_tps) if plain_tps and ours_tps else None,
         decode_speedup_vs_plain=_decode_speedup(run.n_tokens, _our_decode_s(run), n_plain, plain_dec, batch.size),

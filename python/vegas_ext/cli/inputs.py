@@ -62,14 +62,14 @@ def _read_prompt_file(path: str) -> str:
             raise CLIError(f"--prompt-file {path} is a directory, not a text file")
         # any other readable path: a pipe (<(cmd), /dev/fd/N, a FIFO) or a device as well as a file
         if not os.path.exists(path):
-            raise CLIError(f"prompt file not found: {path}")
+            raise CLIError(f"--prompt-file {path}: not found")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(f"cannot read prompt file {path}: {e}") from None
+            raise CLIError(f"--prompt-file {path}: cannot read it ({e})") from None
     if not text.strip():
-        raise CLIError(f"prompt file {path} is empty")
+        raise CLIError(f"--prompt-file {path}: the file is empty or blank")
     return text
 
 

@@ -167,8 +167,8 @@ def _print_hf_comparison(result: Dict[str, Any], dtype_name: str) -> None:
 
 def _print_plain_comparison(result: Dict[str, Any]) -> None:
     _eprint("--- comparison with our own plain loop (--algorithm full, same kernels, no drafts) ---")
-    _eprint(f"plain loop           {result['plain_time_s']:.2f}s = {result['plain_tokens_per_s']:.2f} tok/s "
-            "(incl. prefill)")
+    _eprint(f"plain loop           {result['plain_time_s']:.2f}s for {result['plain_num_tokens']} tokens = "
+            f"{result['plain_tokens_per_s']:.2f} tok/s (incl. prefill)")
     sp, dsp = result.get("speedup_vs_plain"), result.get("decode_speedup_vs_plain")
     _eprint(f"speedup (vegas)      {sp:.2f}x end to end" + (f", {dsp:.2f}x decode only" if dsp else "")
             + f" vs our plain loop; {result['speedup']:.2f}x vs HF generate"
