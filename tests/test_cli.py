@@ -672,6 +672,26 @@ def test_gguf_cache_path_uses_env(tmp_path, monkeypatch):
     assert models.gguf_cache_path(str(f)) != p  # new content -> new entry
 
 
+def test_gguf_cache_reuses_a_conversion_of_the_same_content_under_another_name(tmp_path, monkeypatch):
+    """A renamed copy of a GGUF file finds the finished conversion of its content; an unfinished
+    one, a folder that is not ours or a symlink are not taken, and other content gets its own."""
+    monkeypatch.setenv("VEGAS_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "m.gguf", tmp_path / "renamed.gguf"
+    for f in (a, b):
+        f.write_bytes(b"GGUF" + bytes(range(256)) * 10)
+    p = models.gguf_cache_path(str(a))
+    own_b = models.gguf_cache_path(str(b))
+    assert os.path.basename(own_b).startswith("renamed-") and own_b[-16:] == p[-16:]  # not yet converted
+    os.makedirs(p)
+    for name in ("config.json", "tokenizer_config.json"):
+        (tmp_path / "cache" / os.path.basename(p) / name).write_text("{}")
+    assert models.gguf_cache_path(str(b)) == own_b  # no SOURCE.txt: not one of our conversions
+    (tmp_path / "cache" / os.path.basename(p) / "SOURCE.txt").write_text("converted")
+    assert models.gguf_cache_path(str(b)) == p and not models.needs_conversion(str(b))
+    b.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 10)
+    assert models.gguf_cache_path(str(b)) != p
+
+
 def test_gguf_cache_keys_on_content_and_prunes_stale_copies(tmp_path, monkeypatch):
     """A reinstalled copy of the same GGUF file (new mtime, new path) reuses its conversion; new
     bytes of the same size do not; a conversion deletes same-name copies unused for

@@ -121,13 +121,31 @@ def gguf_cache_path(gguf_path: str) -> str:
 
     The hash covers the file's content and the transformers version (a new converter may convert
     differently), so a changed file or library converts again, and a reinstalled copy of the
-    same file (a new mtime) does not.
+    same file (a new mtime) does not; nor does the same file under another name (the finished
+    conversion of that content under any name is returned).
     """
     import transformers
 
     key = f"{_content_digest(gguf_path)}:transformers-{transformers.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), f"{_stem(gguf_path)}-{digest}")
+    own = os.path.join(cache_root(), f"{_stem(gguf_path)}-{digest}")
+    return own if _is_complete(own) else (_converted_as(digest) or own)
+
+
+def _converted_as(digest: str) -> Optional[str]:
+    """A finished conversion ``<any name>-<digest>`` in the cache root (our ``SOURCE.txt`` in it,
+    no symlink), or None."""
+    root = cache_root()
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for entry in entries:
+        path = os.path.join(root, entry)
+        if entry.endswith("-" + digest) and not os.path.islink(path) and _is_complete(path) \
+                and os.path.isfile(os.path.join(path, "SOURCE.txt")):
+            return path
+    return None
 
 
 def _stem(gguf_path: str) -> str:
