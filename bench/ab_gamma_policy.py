@@ -55,6 +55,8 @@ def _policy_kwargs(variant: dict) -> dict:
     """RowGamma keyword arguments from a variant's JSON object (``costs``: TokenCostModel's)."""
     kw = dict(variant)
     if "costs" in kw:
+        if "window" in kw["costs"]:
+            raise ValueError("window is a RowGamma setting: give it beside costs, not inside")
         kw["costs"] = speculation.TokenCostModel(kw.get("window", 5), **kw["costs"])
     return kw
 

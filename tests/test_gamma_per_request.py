@@ -127,6 +127,8 @@ def test_bad_max_gamma(bad):
 def test_bad_settings_are_named(kw, name):
     with pytest.raises(ValueError, match=f"^{name} must be "):
         PerRequestGamma(4, **kw)
+    with pytest.raises(ValueError, match="^costs cannot be given"):
+        PerRequestGamma(4, costs=None)
 
 
 def test_vllm_gamma_policy_option_is_validated():

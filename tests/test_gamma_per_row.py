@@ -128,6 +128,32 @@ def test_token_cost_model_prices_a_first_timing_no_higher_than_its_neighbours():
     assert m.ready() and m.plain(1) == pytest.approx(0.070) and m.verify(5, 1) == pytest.approx(0.090)
 
 
+def test_token_cost_model_bounds_a_first_timing_sanely():
+    """Below the counts timed twice a first timing is capped by the lowest one's median (a line
+    extrapolated downwards reached 0 s: a plain step priced free); where a batch size borrows the
+    other sizes' timings, its first timings are capped too."""
+    m = TokenCostModel()
+    for _ in range(2):
+        _costs(m, 4, 1, 1.0, scored=True)
+        _costs(m, 8, 1, 5.0, scored=True)
+    _costs(m, 1, 1, 0.5)  # a plain step's first timing, below the steep line's reach
+    assert m.plain(1) == pytest.approx(0.5) and m.verify(1, 1) == pytest.approx(0.5)
+    m = TokenCostModel()
+    for _ in range(2):
+        for n, t in ((1, 0.010), (2, 0.012), (3, 0.014)):
+            _costs(m, n, 1, t, scored=True)
+    _costs(m, 4, 2, 0.100, scored=True)  # rows=2: one count of its own, borrows the others'
+    assert m.verify(4, 2) == pytest.approx(0.016)
+
+
+def test_token_cost_model_settings_are_checked():
+    bad = ((dict(window=0), "window"), (dict(window="3"), "window"), (dict(max_batch_sizes=0), "max_batch_sizes"),
+           (dict(max_batch_sizes=1.5), "max_batch_sizes"), (dict(provisional_first="no"), "provisional_first"))
+    for kw, name in bad:
+        with pytest.raises(ValueError, match=f"^{name} must be "):
+            TokenCostModel(**kw)
+
+
 def test_token_cost_model_refuses_missing_counts():
     with pytest.raises(ValueError, match="tokens and .rows"):
         TokenCostModel().observe(IterationCosts(2, 0.1, 0.2, 0.0))

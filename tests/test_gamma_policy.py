@@ -508,6 +508,22 @@ def test_ab_gamma_policy_runs_and_checks_tokens(tiny_model_dir):  # noqa: F811
     assert bad.returncode == 2 and "--variants: 'x'" in bad.stderr
 
 
+def test_ab_gamma_policy_checks_cost_model_variants(capsys):
+    """A variant's ``costs`` builds the TokenCostModel; a bad setting there is an argparse error
+    naming it (``max_batch_sizes: "x"`` used to pass and fail after the model loaded)."""
+    from bench import ab_gamma_policy
+
+    a = ab_gamma_policy.parse_args(["--variants", '{"old": {"costs": {"provisional_first": false}}}'])
+    assert ab_gamma_policy._policy_kwargs(a.variants["old"])["costs"].provisional_first is False
+    bad = (('{"max_batch_sizes": "x"}', "max_batch_sizes must be"), ('{"max_batch_sizes": -1}', "max_batch_sizes"),
+           ('{"provisional_first": "no"}', "provisional_first must be"), ('{"window": 3}', "beside costs"),
+           ("[]", "costs must be an object"))
+    for costs, said in bad:
+        with pytest.raises(SystemExit):
+            ab_gamma_policy.parse_args(["--variants", '{"v": {"costs": %s}}' % costs])
+        assert said in capsys.readouterr().err
+
+
 def test_ab_gamma_policy_variants_reach_the_loops_policy():
     """A variant's keyword arguments build the policy our loop's ``auto`` uses (``RowGamma``), only
     while its run lasts; fixed γ and the vLLM plugin's policy are left alone."""

@@ -443,6 +443,20 @@ def test_cli_prompt_file_from_a_pipe(kind, tmp_path):
             os.close(r)
 
 
+def test_prompt_file_bom_and_errors(tmp_path):
+    """A byte-order mark is not part of the prompt; a missing file says so, a name too long for
+    the system says it cannot be read; every message starts with the flag."""
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfthe prompt\n")
+    read = lambda p: cli._read_prompts(cli.build_parser().parse_args(["generate", "--prompt-file", p, *_NO_MODEL]))  # noqa: E731
+    assert read(str(bom)) == ["the prompt\n"]
+    (tmp_path / "only_bom.txt").write_bytes(b"\xef\xbb\xbf")
+    for path, what in ((str(tmp_path / "none.txt"), "not found"), ("/" + "x" * 5000, "cannot read it"),
+                       (str(tmp_path / "only_bom.txt"), "empty or blank")):
+        with pytest.raises(cli.CLIError, match=f"^--prompt-file .*{what}"):
+            read(path)
+
+
 # ------------------------------------------------------------------ listed values (handed case 016)
 
 @pytest.mark.parametrize("name", [n for n, o in config.OPTIONS.items() if o.kind == "choice"])

@@ -546,9 +546,9 @@ class TokenCostModel:
     """
 
     def __init__(self, window: int = 5, max_batch_sizes: Optional[int] = None, provisional_first: bool = True):
-        self.window = int(window)
-        self.max_batch_sizes = max_batch_sizes
-        self.provisional_first = bool(provisional_first)
+        self.window = check_int(window, "window", 1)
+        self.max_batch_sizes = check_int(max_batch_sizes, "max_batch_sizes", 1, none_ok=True)
+        self.provisional_first = check_bool(provisional_first, "provisional_first")
         self._first: set = set()  # ("plain", rows) / ("verify", (rows, tokens)) timed once, at their first
         self._batch_sizes: List[int] = []  # timed batch sizes, most recent last (with max_batch_sizes)
         self._verify: Dict[Tuple[int, int], List[float]] = {}  # (rows, tokens) -> seconds of scored passes
@@ -644,10 +644,10 @@ class TokenCostModel:
             (first if self._provisional("plain", rows) else own).setdefault(rows, []).extend(self._plain[rows])
         if len(own.keys() | first.keys()) < 2:
             own, first = {}, {}
-            for (_, n), v in self._verify.items():
-                own.setdefault(n, []).extend(v)
+            for (r, n), v in self._verify.items():
+                (first if self._provisional("verify", (r, n)) else own).setdefault(n, []).extend(v)
             for r, v in self._plain.items():
-                own.setdefault(r, []).extend(v)
+                (first if self._provisional("plain", r) else own).setdefault(r, []).extend(v)
         return _bounded(own, first)
 
     def ready(self) -> bool:
@@ -674,7 +674,8 @@ class TokenCostModel:
         (a provisional first timing: at most the verification curve's)."""
         if self._plain.get(rows):
             t = _median(self._plain[rows])
-            return min(t, self.verify(rows, rows)) if self._provisional("plain", rows) else t
+            v = self.verify(rows, rows) if self._provisional("plain", rows) else t
+            return min(t, v) if v > 0 else t
         return self.verify(rows, rows)
 
     def draft_step(self, rows: int) -> float:
@@ -936,9 +937,10 @@ class PerRequestGamma:
     history_kept = 256  # steps of RowGamma.history kept: an engine runs for ever
 
     def __init__(self, max_gamma: int, max_batch_sizes: int = 16, **auto_kwargs):
-        if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
-            raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
-        self.max_gamma = max_gamma
+        self.max_gamma = max_gamma = check_int(max_gamma, "max_gamma", 1)
+        if "costs" in auto_kwargs:
+            raise ValueError("costs cannot be given to PerRequestGamma: it builds its own TokenCostModel "
+                             "(set window and max_batch_sizes instead)")
         kw = {"uniform_margin": 0.0, **auto_kwargs}
         window = _check_policy_args(window=kw.get("window", 5))["window"]
         costs = TokenCostModel(window, max_batch_sizes=check_int(max_batch_sizes, "max_batch_sizes", 1))
@@ -1092,13 +1094,16 @@ def _curve(by_n: Dict[int, List[float]], n: int, one: str = "origin") -> float:
 
 def _bounded(timed: Dict[int, List[float]], first: Dict[int, List[float]]) -> Dict[int, List[float]]:
     """``timed`` with the counts of ``first`` (each a provisional first timing, an upper bound)
-    added at no more than :func:`_curve` through ``timed`` where ``timed`` spans two counts, else
-    as they are."""
+    added at no more than :func:`_curve` through ``timed`` where ``timed`` spans two counts (below
+    its lowest count, no more than that count's median: a cost does not fall with more tokens, and
+    a line extrapolated downwards may reach 0), else as they are."""
     out = {n: list(v) for n, v in timed.items()}
+    lo = min(timed) if timed else 0
     for n, v in first.items():
         t = _median(v)
         if len(timed) >= 2:
-            t = min(t, _curve(timed, n))
+            cap = _median(timed[lo]) if n < lo else _curve(timed, n)
+            t = min(t, cap) if cap > 0 else t
         out.setdefault(n, []).append(t)
     return out
 

@@ -60,12 +60,13 @@ def _read_prompt_file(path: str) -> str:
     else:
         if os.path.isdir(path):
             raise CLIError(f"--prompt-file {path} is a directory, not a text file")
-        # any other readable path: a pipe (<(cmd), /dev/fd/N, a FIFO) or a device as well as a file
-        if not os.path.exists(path):
-            raise CLIError(f"--prompt-file {path}: not found")
+        # any other readable path: a pipe (<(cmd), /dev/fd/N, a FIFO) or a device as well as a file;
+        # utf-8-sig: a byte-order mark some editors write is not part of the prompt
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:
                 text = f.read()
+        except FileNotFoundError:
+            raise CLIError(f"--prompt-file {path}: not found") from None
         except (OSError, UnicodeDecodeError) as e:
             raise CLIError(f"--prompt-file {path}: cannot read it ({e})") from None
     if not text.strip():
@@ -81,7 +82,7 @@ def _read_stdin() -> str:
     try:
         if buf is None:  # a text stream without bytes underneath (tests, embedding)
             return sys.stdin.read()
-        return buf.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode's newlines
+        return buf.read().decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")  # as text mode's newlines
     except UnicodeDecodeError as e:
         raise CLIError(f"--prompt-file -: stdin is not UTF-8 text ({e})") from None
     except (OSError, ValueError) as e:  # a stdin that cannot be read (closed file object, EBADF, EISDIR)
