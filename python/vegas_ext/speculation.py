@@ -635,20 +635,22 @@ class TokenCostModel:
         verification of ``rows`` tokens); those of every batch size while ``rows``' own do not yet
         span two token counts (rows left the batch lately). A count timed once, at its first
         (provisional) timing, counts at no more than the curve through the other counts."""
+        own, first = self._timings_by_count(rows)
+        if len(own.keys() | first.keys()) < 2:
+            own, first = self._timings_by_count(None)
+        return _bounded(own, first)
+
+    def _timings_by_count(self, rows: Optional[int]) -> Tuple[Dict[int, List[float]], Dict[int, List[float]]]:
+        """The verification and plain-step timings of ``rows`` rows (``None``: every batch size) per
+        token count: those timed twice or more, and the provisional first timings."""
         own: Dict[int, List[float]] = {}
         first: Dict[int, List[float]] = {}
-        for (r, n), v in self._verify.items():
-            if r == rows and v:
-                (first if self._provisional("verify", (r, n)) else own).setdefault(n, []).extend(v)
-        if self._plain.get(rows):
-            (first if self._provisional("plain", rows) else own).setdefault(rows, []).extend(self._plain[rows])
-        if len(own.keys() | first.keys()) < 2:
-            own, first = {}, {}
-            for (r, n), v in self._verify.items():
-                (first if self._provisional("verify", (r, n)) else own).setdefault(n, []).extend(v)
-            for r, v in self._plain.items():
-                (first if self._provisional("plain", r) else own).setdefault(r, []).extend(v)
-        return _bounded(own, first)
+        timings = [(("verify", (r, n)), n, v) for (r, n), v in self._verify.items() if rows in (None, r)]
+        timings += [(("plain", r), r, v) for r, v in self._plain.items() if rows in (None, r)]
+        for mark, n, v in timings:
+            if v:
+                (first if mark in self._first else own).setdefault(n, []).extend(v)
+        return own, first
 
     def ready(self) -> bool:
         """Whether verification was timed at two token counts at least (the line is determined)."""
@@ -674,8 +676,10 @@ class TokenCostModel:
         (a provisional first timing: at most the verification curve's)."""
         if self._plain.get(rows):
             t = _median(self._plain[rows])
-            v = self.verify(rows, rows) if self._provisional("plain", rows) else t
-            return min(t, v) if v > 0 else t
+            if self._provisional("plain", rows):
+                v = self.verify(rows, rows)
+                t = min(t, v) if v > 0 else t
+            return t
         return self.verify(rows, rows)
 
     def draft_step(self, rows: int) -> float:
@@ -942,8 +946,7 @@ class PerRequestGamma:
             raise ValueError("costs cannot be given to PerRequestGamma: it builds its own TokenCostModel "
                              "(set window and max_batch_sizes instead)")
         kw = {"uniform_margin": 0.0, **auto_kwargs}
-        window = _check_policy_args(window=kw.get("window", 5))["window"]
-        costs = TokenCostModel(window, max_batch_sizes=check_int(max_batch_sizes, "max_batch_sizes", 1))
+        costs = TokenCostModel(kw.get("window", 5), max_batch_sizes=check_int(max_batch_sizes, "max_batch_sizes", 1))
         #: the engine's policy; its row estimates are the step's requests' (:attr:`requests`)
         self.row_policy = _EngineRowGamma(max_gamma, costs=costs, **kw)
         self.requests: Dict[str, AcceptanceEstimate] = {}  # by request id
