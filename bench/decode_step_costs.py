@@ -165,6 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--gamma", type=int, default=6)
+    ap.add_argument("--verify-tokens", default="", metavar="Q,...",
+                    help="also time the verification of each q tokens per row (verify_q<q>_ms), e.g. 2,3,4,5,6,7,8,9: "
+                         "the cost table of bench/gamma_policy_sim.py --costs")
     ap.add_argument("--tau", type=float, default=None, help="mean acceptance length for the prediction")
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
@@ -233,10 +236,15 @@ class Cell:
         return self.cache.layers[0].keys.device
 
 
+def verify_tokens(args: argparse.Namespace) -> list:
+    """The token counts per row of ``--verify-tokens`` (``[]`` without it)."""
+    return [int(x) for x in getattr(args, "verify_tokens", "").split(",") if x.strip()]
+
+
 def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
     """Fills the caches of one cell with random K/V (seeded: the same cell gets the same values)
     and selects the draft budget over random block scores."""
-    g = args.gamma
+    g = max([args.gamma] + [q - 1 for q in verify_tokens(args)])
     torch.manual_seed(0)
     cache = VegasCache.for_model(model, B, S + g + 2)
     dev = cache.layers[0].keys.device
@@ -276,10 +284,10 @@ def lean_drafts(model, dws: dict) -> dict:
     return {k: v for k, v in leans.items() if v is not None}
 
 
-def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict, compiled=None):
+def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict, compiled=None, verify_qs=()):
     """``(fns, ours)``: the timed forwards of ``cell`` by name (``hf_step`` only with an HF cache)
     and the names of ours, in the order they are timed; draft steps through ``leans`` where they
-    hold the draft weights' lean forward."""
+    hold the draft weights' lean forward; ``verify_q<q>`` for each ``q`` in ``verify_qs``."""
     ck = _cache_kwarg(model)
     B, S, dev, cache, st, tok, pos = cell.B, cell.S, cell.dev, cell.cache, cell.st, cell.tok, cell.pos
 
@@ -314,6 +322,9 @@ def cell_forwards(model, cell: Cell, g: int, dws: dict, leans: dict, compiled=No
     for k, dw in dws.items():
         fns[f"draft_step_{k}"] = (lambda dw: lambda: draft(dw))(dw)
     ours = ["full_step", "draft_step", *[f"draft_step_{k}" for k in dws], "verify", "select"]
+    for q in verify_qs:
+        fns[f"verify_q{q}"] = (lambda q: lambda: our("verify", q))(q)
+        ours.append(f"verify_q{q}")
     if compiled is not None:  # the same steps as compile_steps=True runs them (CUDA graphs on CUDA)
         def graph(mode, q, dw=None):
             st.mode = mode
@@ -424,7 +435,7 @@ def main(argv=None):
         for S in [int(x) for x in args.contexts.split(",")]:
             cell = build_cell(model, args, B, S)
             compiled = _compiled(cell.dev) if args.compile_steps else None
-            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans, compiled)
+            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans, compiled, verify_tokens(args))
             best = time_cell(model, cell, fns, ours, dws, args.reps)
             prof = profile_cell(model, cell, fns, ours, dws, best) if args.profile else None
             if args.profile_summary:

@@ -15,6 +15,19 @@ medians over seeds.
 
     python -m bench.gamma_policy_sim --runs bench/results/gamma_xeon_avx512/kjv_256tok_b4/runs.jsonl --new-tokens 64
 
+``--costs`` replays our loop's ``auto`` instead (``RowGamma``: drafts per row, priced per
+verified token) against the forward times of ``bench/decode_step_costs.py --verify-tokens``: a
+plain step, a draft step per row count, the selection and the verification of ``B q`` tokens for
+each ``q``; rows accept with probability ``p`` (spread over the batch with ``--row-spread``),
+finished rows stay in the batch with no tokens, and a first forward at each token count costs
+``--first-call`` more (oneDNN prepares each new shape once: 211 packed linears took ~+35 % at a
+new row count, ~15 % of a forward):
+
+    python -m bench.decode_step_costs --contexts 8192 --batches 1,4 --verify-tokens 2,3,4,5,6,7,8,9 \
+        --draft-weights int8 --no-hf --threads 2 --out costs.jsonl
+    python -m bench.gamma_policy_sim --costs costs.jsonl --new-tokens 128 --fixed 2 3 4 5 6 7 8 \
+        --acceptance 0.7 0.8 0.9 0.95 --seeds 96 --variants '[{"prior_weight": 4}]'
+
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
 (cache effects between phases, a machine that changes speed; the plain step that scores the
 KV blocks before drafting is charged the verification line at q = 1, at least a plain step;
@@ -33,12 +46,14 @@ import os
 import random
 import statistics
 import sys
+from typing import Dict, Optional
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from bench.common import load_runs
-from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts
+from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts, RowGamma, make_gamma_policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -136,6 +151,166 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
     return batch * n_new / elapsed
 
 
+class CostTable:
+    """Measured forward times of one batch size from ``bench/decode_step_costs.py --verify-tokens``
+    (ms): a plain step, the verification of ``n`` tokens packed over the batch (each row's ``q``
+    tokens: the points ``(B q, verify_q<q>)`` and ``(B, full_step)``, linear between them, the last
+    two points' line beyond), a draft step of ``r`` rows (the line through the file's batch sizes:
+    a step drafts only the rows that still draft) and the selection."""
+
+    def __init__(self, recs: dict, batch: int, draft_key: str):
+        r = recs[batch]
+        self.batch, self.plain, self.select = batch, r["full_step_ms"], r["select_ms"]
+        pts = {batch: r["full_step_ms"]}
+        pts.update({batch * int(k[len("verify_q"):-3]): v for k, v in r.items()
+                    if k.startswith("verify_q") and k.endswith("_ms")})
+        if len(pts) < 3:
+            raise SystemExit(f"--costs: batch {batch} has no verify_q<q>_ms entries (run decode_step_costs "
+                             "with --verify-tokens)")
+        self.xs, self.ys = zip(*sorted(pts.items()))
+        d = {b: rec.get(draft_key, rec["draft_step_ms"]) for b, rec in recs.items()}
+        lo, hi = min(d), max(d)
+        self.d1 = (d[hi] - d[lo]) / (hi - lo) if hi > lo else 0.0
+        self.d0 = d[lo] - self.d1 * lo
+
+    def verify(self, tokens: int) -> float:
+        xs, ys = self.xs, self.ys
+        if tokens <= xs[-1]:
+            return float(np.interp(tokens, xs, ys))
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (tokens - xs[-1])
+
+    def draft(self, rows: int) -> float:
+        return self.d0 + self.d1 * rows
+
+
+def load_cost_tables(path: str, context: Optional[int], draft_key: str) -> Dict[int, "CostTable"]:
+    """``{batch: CostTable}`` from the records of a ``decode_step_costs`` JSONL (the last record per
+    (context, batch); ``context`` None: the largest context in the file)."""
+    recs = [json.loads(x) for x in open(path) if x.strip()]
+    ctx = context if context is not None else max(r["context"] for r in recs)
+    by_batch = {r["batch"]: r for r in recs if r["context"] == ctx}
+    if not by_batch:
+        raise SystemExit(f"--costs: no record at context {ctx} in {path}")
+    return {b: CostTable(by_batch, b, draft_key) for b in sorted(by_batch)}
+
+
+class _RowsReplay:
+    """The state of one :func:`simulate_rows` run: rows' progress, the clock and the noise."""
+
+    def __init__(self, policy, p_rows, table: CostTable, n_new, noise, seed, first_call):
+        self.policy, self.p_rows, self.table, self.n_new = policy, p_rows, table, n_new
+        self.noise, self.first_call, self.rng = noise, first_call, random.Random(seed)
+        self.B = len(p_rows)
+        self.n = [0] * self.B
+        self.elapsed, self.seen = 0.0, set()
+
+    def jitter(self) -> float:
+        return max(0.2, 1.0 + self.rng.gauss(0.0, self.noise))
+
+    def verify(self, tokens: int, scored: bool) -> float:
+        """ms of a verification of ``tokens`` tokens (an unscored one of ``B`` tokens: a plain step)."""
+        t = self.table.verify(tokens) if scored or tokens != self.B else self.table.plain
+        if tokens not in self.seen:  # a new shape
+            self.seen.add(tokens)
+            t *= 1.0 + self.first_call
+        return t * self.jitter()
+
+    def active(self) -> list:
+        return [b for b in range(self.B) if self.n[b] < self.n_new]
+
+    def caps(self) -> Tensor:
+        return torch.tensor([self.n_new - x - 1 if x < self.n_new else -1 for x in self.n])
+
+    def scored_plain_step(self) -> None:
+        """The plain step that scores the KV blocks before drafts that follow plain steps."""
+        self.policy.note_plain_step()
+        active = self.active()
+        t = self.verify(len(active), True)
+        self.elapsed += t
+        zero = torch.zeros(self.B, dtype=torch.long)
+        self.policy.observe_iteration(IterationCosts(0, 0.0, t / 1e3, 0.0, scored=True, tokens=len(active),
+                                                     rows=self.B), zero, zero)
+        for b in active:
+            self.n[b] += 1
+
+    def iteration(self, gs: list) -> None:
+        """Draft ``gs[b]`` tokens per row (draft steps of the rows still drafting), verify, accept."""
+        g, active, table = max(gs), self.active(), self.table
+        steps = [(r, table.draft(r) * self.jitter()) for r in (sum(1 for x in gs if x > s) for s in range(g))]
+        td = sum(t for _, t in steps)
+        tokens = sum(gs[b] + 1 for b in active)
+        tv = self.verify(tokens, g > 0)
+        ts = table.select * self.jitter() if g else 0.0
+        self.elapsed += td + tv + ts
+        drafted, accepted = [0] * self.B, [0] * self.B
+        for b in active:
+            a = 0
+            while a < gs[b] and self.rng.random() < self.p_rows[b]:
+                a += 1
+            drafted[b], accepted[b] = gs[b], a
+            self.n[b] = min(self.n_new, self.n[b] + a + 1)
+        steps_s = [(r, t / 1e3) for r, t in steps] if g else None
+        self.policy.observe_iteration(IterationCosts(g, td / 1e3, tv / 1e3, ts / 1e3, scored=g > 0, tokens=tokens,
+                                                     rows=self.B, draft_steps=steps_s),
+                                      torch.tensor(drafted), torch.tensor(accepted))
+
+
+def simulate_rows(policy, p_rows, table: CostTable, n_new, noise, seed, first_call=0.0, cap=8):
+    """Decode ``len(p_rows)`` rows to ``n_new`` tokens each as our loop does with drafts per row
+    (``policy.choose_rows``; finished rows stay in the batch with no tokens, draft steps draft the
+    rows that still draft), row ``b`` accepting each draft with probability ``p_rows[b]`` given the
+    ones before it; timings from ``table`` times Gaussian noise (relative std ``noise``), the first
+    forward at each token count ``1 + first_call`` times dearer (a new shape). Returns tokens per ms."""
+    run = _RowsReplay(policy, p_rows, table, n_new, noise, seed, first_call)
+    B = run.B
+    if hasattr(policy, "observe_prefill"):  # the prefill's last forward: cap + 1 tokens per row
+        policy.observe_prefill(B * (cap + 1), B, run.verify(B * (cap + 1), True) / 1e3)
+    fresh = True  # the prefill scored the KV blocks
+    while run.active():
+        gs = policy.choose_rows(run.caps()).clamp(min=0).tolist()
+        if any(gs) and not fresh:  # the loop scores the KV blocks in a plain step first
+            run.scored_plain_step()
+            if not run.active():
+                break
+            gs = [max(0, min(g, int(x))) for g, x in zip(gs, run.caps().tolist())]
+        run.iteration(gs)
+        fresh = max(gs) > 0
+    return B * n_new / run.elapsed
+
+
+def main_rows(args: argparse.Namespace) -> None:
+    """``--costs``: our loop's ``auto`` (drafts per row) against fixed gammas on a measured cost table."""
+    tables = load_cost_tables(args.costs, args.context, args.draft_key)
+    cap = args.max_speculative_tokens
+    policies = {"full": lambda: FixedGamma(0), "auto": lambda: make_gamma_policy(cap, "auto")}
+    for i, v in enumerate(args.variants or []):
+        policies[f"variant {i}"] = (lambda v=v: RowGamma(cap, **v))
+    policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
+    names = [k for k in policies if k.startswith("auto") or k.startswith("variant")]
+    print(f"# {args.costs}: {args.new_tokens} new tokens, noise {args.noise}, first call +{args.first_call}, "
+          f"{args.seeds} seeds, cap {cap}, acceptance spread between rows {args.row_spread}")
+    for i, v in enumerate(args.variants or []):
+        print(f"# variant {i}: {json.dumps(v)}")
+    print("\n| batch | p | best fixed (x full) | " + " | ".join(f"{k} / best" for k in names) + " |")
+    print("|---:|---:|---|" + "---:|" * len(names))
+    worst = {k: [] for k in names}
+    for B, table in tables.items():
+        for p in args.acceptance:
+            p_rows = [min(1.0, max(0.0, p + args.row_spread * (2 * b / max(1, B - 1) - 1))) for b in range(B)]
+            rate = {k: statistics.mean(simulate_rows(mk(), p_rows, table, args.new_tokens, args.noise, s,
+                                                     args.first_call, cap) for s in range(args.seeds))
+                    for k, mk in policies.items()}
+            fixed = {k: v for k, v in rate.items() if k.startswith("gamma")}
+            best = max(fixed, key=fixed.get)
+            for k in names:
+                worst[k].append(rate[k] / fixed[best])
+            print(f"| {B} | {p:.2f} | {best} ({fixed[best] / rate['full']:.2f}x) | "
+                  + " | ".join(f"{rate[k] / fixed[best]:.3f}" for k in names) + " |")
+    print()
+    for k in names:
+        print(f"{k} / best fixed: min {min(worst[k]):.3f}, mean {statistics.mean(worst[k]):.3f}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (``argv``, default ``sys.argv[1:]``); a usage error (exit 2) on ``--variant``
     keywords that ``AutoGamma`` refuses, before the replay."""
@@ -152,10 +327,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="verification cost per q: a line through the fixed-gamma runs, or each q's measured cost")
     ap.add_argument("--repeats", choices=["first", "all"], default="first",
                     help="costs from the first repeat, or medians over all repeats (ratios to each repeat's full step)")
+    ap.add_argument("--costs", default=None, metavar="JSONL",
+                    help="replay our loop's auto (drafts per row, RowGamma) on the forward times of a "
+                         "bench/decode_step_costs.py --verify-tokens run instead of --runs")
+    ap.add_argument("--context", type=int, default=None,
+                    help="with --costs: the context's records (default the largest)")
+    ap.add_argument("--draft-key", default="draft_step_int8_ms", help="with --costs: the draft step's field")
+    ap.add_argument("--first-call", type=float, default=0.15,
+                    help="with --costs: a first forward at a token count costs this much more (a new shape)")
+    ap.add_argument("--row-spread", type=float, default=0.0,
+                    help="with --costs: rows' acceptance spread evenly over p +- this")
+    ap.add_argument("--variants", type=json.loads, default=None, metavar="JSON",
+                    help="with --costs: a list of RowGamma keyword dicts, each replayed beside auto")
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help='AutoGamma keyword arguments of a second auto policy, reported beside the default, '
                          'e.g. \'{"max_probe_interval": 16}\'')
     args = ap.parse_args(argv)
+    if args.variants is not None:
+        if not isinstance(args.variants, list) or not all(isinstance(v, dict) for v in args.variants):
+            ap.error("--variants: expected a JSON list of objects")
+        for v in args.variants:
+            try:
+                RowGamma(args.max_speculative_tokens, **v)
+            except (TypeError, ValueError) as e:
+                ap.error(f"--variants: {e}")
     if args.variant is not None:
         try:  # bad keywords fail here, before the replay
             AutoGamma(args.max_speculative_tokens, **args.variant)
@@ -176,6 +371,8 @@ def make_policies(args: argparse.Namespace) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.costs:
+        return main_rows(args)
     policies = make_policies(args)
     var = args.variant is not None
     print("| context | batch | p | best fixed | auto / full | auto / best |"

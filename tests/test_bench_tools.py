@@ -281,6 +281,35 @@ def test_decode_step_costs_random_model_smoke(tmp_path):
     assert abs(rec["pred_speedup_vs_full"] - 2.5 * rec["full_step_ms"] / it) < 0.02
 
 
+def test_gamma_policy_sim_replays_drafts_per_row_on_measured_costs(tmp_path):
+    """decode_step_costs --verify-tokens times the verification of each q; gamma_policy_sim --costs
+    replays our loop's auto and fixed gammas on those times: exact rates where no draft is
+    rejected and timings hold still, and a table for every batch size and acceptance."""
+    from bench import gamma_policy_sim as sim
+    from vegas_ext.speculation import FixedGamma
+
+    out = tmp_path / "costs.jsonl"
+    subprocess.run([sys.executable, "-m", "bench.decode_step_costs", "--model-config", "tiny", "--contexts", "300",
+                    "--batches", "1,2", "--gamma", "2", "--verify-tokens", "2,3,5", "--reps", "1", "--no-hf",
+                    "--min-tokens", "16", "--threads", "1", "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert all(r[f"verify_q{q}_ms"] > 0 for r in recs for q in (2, 3, 5))
+    table = sim.CostTable({1: dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0, verify_q2_ms=12.0,
+                                   verify_q4_ms=14.0)}, 1, "draft_step_ms")
+    assert (table.verify(1), table.verify(3), table.verify(6)) == (10.0, 13.0, 16.0)
+    assert sim.simulate_rows(FixedGamma(0), [1.0], table, 10, 0.0, 0) == pytest.approx(1 / 10.0)
+    # gamma 3, every draft accepted: 4 tokens per 3 draft steps + a verification of 4 + a selection
+    assert sim.simulate_rows(FixedGamma(3), [1.0], table, 12, 0.0, 0) == pytest.approx(4 / (6.0 + 14.0 + 1.0))
+    r = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out), "--seeds", "2",
+                        "--new-tokens", "12", "--acceptance", "0.5", "0.9", "--fixed", "1", "2",
+                        "--variants", '[{"prior_weight": 4}]'], check=True, capture_output=True, text=True, cwd=ROOT)
+    rows = [x for x in r.stdout.splitlines() if re.match(r"\| [12] \| 0\.[59]0 \| gamma [12]", x)]
+    assert len(rows) == 4, r.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out), "--variants",
+                          '[{"prior_weight": -1}]'], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "--variants" in bad.stderr and "prior_weight" in bad.stderr
+
+
 # ------------------------------------------------------------------ the torch-free C++ benchmarks
 
 def _build(src, tmp_path):

@@ -193,7 +193,7 @@ def test_optimistic_gamma_chooses_the_length_at_the_upper_bound():
     caps = torch.tensor([200])
     lengths = {}
     for opt in (False, True):
-        p = RowGamma(8, optimistic_gamma=opt)
+        p = RowGamma(8, optimistic_gamma=opt, prior_weight=4)  # a weak prior: the rejection shortens drafts
         p.observe_prefill(9, 1, 0.2)
         gs = []
         for it in range(30):

@@ -758,6 +758,8 @@ class RowGamma(AutoGamma):
 
     Args:
         max_gamma, window, **kwargs: as :class:`AutoGamma`'s (``cost_ema`` is accepted and unused).
+        prior_weight: pseudo-trials behind each prior: 8, where :class:`AutoGamma`'s 4 let one early
+            rejection shorten the drafts for long (replayed: ``docs/gamma_policy.md``).
         uniform_margin: drafts differ between rows only where that beats uniform drafts by this
             fraction (default ``margin``; 0 where the verification is ragged anyway, as in vLLM).
         costs: the :class:`TokenCostModel` to use (default a new one of ``window``).
@@ -766,12 +768,12 @@ class RowGamma(AutoGamma):
     name = "auto"
 
     def __init__(self, max_gamma: int, window: int = 5, uniform_margin: Optional[float] = None,
-                 costs: Optional[TokenCostModel] = None, **kwargs):
+                 costs: Optional[TokenCostModel] = None, prior_weight: float = 8.0, **kwargs):
         kwargs.pop("cost_ema", None)
         uniform_margin = _check_policy_args(uniform_margin=uniform_margin)["uniform_margin"]
         if costs is not None and not isinstance(costs, TokenCostModel):
             raise OptionTypeError(f"costs must be a TokenCostModel or None, got {type(costs).__name__}")
-        super().__init__(max_gamma, window=window, **kwargs)
+        super().__init__(max_gamma, window=window, prior_weight=prior_weight, **kwargs)
         self.costs = TokenCostModel(self.window) if costs is None else costs
         # ragged drafts only where they beat uniform ones by this (default `margin`): see allocate_drafts
         self.uniform_margin = self.margin if uniform_margin is None else uniform_margin
@@ -945,7 +947,8 @@ class PerRequestGamma:
         if "costs" in auto_kwargs:
             raise ValueError("costs cannot be given to PerRequestGamma: it builds its own TokenCostModel "
                              "(set window and max_batch_sizes instead)")
-        kw = {"uniform_margin": 0.0, **auto_kwargs}
+        # requests differ far more than a batch's rows: a weak prior lets a rejected one stop drafting
+        kw = {"uniform_margin": 0.0, "prior_weight": 4.0, **auto_kwargs}
         costs = TokenCostModel(kw.get("window", 5), max_batch_sizes=check_int(max_batch_sizes, "max_batch_sizes", 1))
         #: the engine's policy; its row estimates are the step's requests' (:attr:`requests`)
         self.row_policy = _EngineRowGamma(max_gamma, costs=costs, **kw)
