@@ -291,7 +291,8 @@ def test_gamma_policy_sim_replays_drafts_per_row_on_measured_costs(tmp_path):
     out = tmp_path / "costs.jsonl"
     subprocess.run([sys.executable, "-m", "bench.decode_step_costs", "--model-config", "tiny", "--contexts", "300",
                     "--batches", "1,2", "--gamma", "2", "--verify-tokens", "2,3,5", "--reps", "1", "--no-hf",
-                    "--min-tokens", "16", "--threads", "1", "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+                    "--min-tokens", "16", "--threads", "1", "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert all(r[f"verify_q{q}_ms"] > 0 for r in recs for q in (2, 3, 5))
     table = sim.CostTable({1: dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0, verify_q2_ms=12.0,
