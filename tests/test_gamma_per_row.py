@@ -179,6 +179,31 @@ def test_row_policy_splits_rows_by_their_acceptance():
     assert choice.estimated[g][0] == pytest.approx(p.rate(g, caps)) and choice.estimated[g][1] == drafts.tolist()
 
 
+def test_one_early_rejection_does_not_shorten_the_drafts_for_long():
+    """Our loop's ``auto`` weighs each prior as 8 trials (the vLLM plugin's requests: 4): at batch 1,
+    drafts of 2 accepted then 7 rejected at the first position leave the first position's estimate
+    at 0.69 and the others' at 0.74, where the former weight of 4 left 0.64 and 0.71
+    (``bench/results/gamma_rows_zen4/replay/``); drafts accepted bring them back above 0.8 within
+    three iterations."""
+    assert speculation.make_gamma_policy(8, "auto").acc.prior_weight == 8
+    assert speculation.PerRequestGamma(8).row_policy.acc.prior_weight == 4
+    first = {}
+    for weight in (4, 8):
+        p = RowGamma(8, prior_weight=weight)
+        p._rows(1)
+        for g, a in ((2, 2), (7, 0)):
+            p.observe_iteration(IterationCosts(g, 0.01 * g, 0.08, 0.001, tokens=g + 1, rows=1),
+                                torch.tensor([g]), torch.tensor([a]))
+        first[weight] = p.row_acc[0].rates()
+        if weight == 8:
+            for _ in range(3):
+                p.observe_iteration(IterationCosts(5, 0.05, 0.08, 0.001, tokens=6, rows=1),
+                                    torch.tensor([5]), torch.tensor([5]))
+            assert min(p.row_acc[0].rates()[:5]) > 0.8
+    assert first[4][0] == pytest.approx(0.636, abs=0.005) and first[8][0] == pytest.approx(0.687, abs=0.005)
+    assert max(first[4][2:]) < 0.71 < 0.73 < min(first[8][2:])
+
+
 class _Ragged(speculation.GammaPolicy):
     name = "ragged"
 
