@@ -194,7 +194,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="after the timing, run each of our forwards 3 more times under torch.profiler and "
                          "record where the fastest one's time went (profile_ms: our attention ops, the linear "
                          "layers, the rest; other_net: the unprofiled minimum less both)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:
+        qs = verify_tokens(args)
+    except ValueError:
+        qs = [0]
+    if min(qs, default=1) < 1:
+        ap.error(f"--verify-tokens: expected token counts >= 1 separated by commas, got {args.verify_tokens!r}")
+    return args
 
 
 def load(args: argparse.Namespace):
@@ -238,7 +245,7 @@ class Cell:
 
 def verify_tokens(args: argparse.Namespace) -> list:
     """The token counts per row of ``--verify-tokens`` (``[]`` without it)."""
-    return [int(x) for x in getattr(args, "verify_tokens", "").split(",") if x.strip()]
+    return [int(x) for x in args.verify_tokens.split(",") if x.strip()]
 
 
 def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
