@@ -156,11 +156,15 @@ class CostTable:
     (ms): a plain step, the verification of ``n`` tokens packed over the batch (each row's ``q``
     tokens: the points ``(B q, verify_q<q>)`` and ``(B, full_step)``, linear between them, the last
     two points' line beyond), a draft step of ``r`` rows (the line through the file's batch sizes:
-    a step drafts only the rows that still draft) and the selection."""
+    a step drafts only the rows that still draft) and the selection. Finished rows stay in the
+    batch with no tokens: a verification with ``a`` of ``B`` rows active costs the table's at
+    ``n + B - a`` tokens less ``(B - a) / (B - 1)`` of the plain step's difference between ``B``
+    rows and one (the file's batch 1), so that the last row alone costs about a batch-1 step."""
 
     def __init__(self, recs: dict, batch: int, draft_key: str):
         r = recs[batch]
         self.batch, self.plain, self.select = batch, r["full_step_ms"], r["select_ms"]
+        self.plain_one = recs[1]["full_step_ms"] if 1 in recs else r["full_step_ms"]
         pts = {batch: r["full_step_ms"]}
         pts.update({batch * int(k[len("verify_q"):-3]): v for k, v in r.items()
                     if k.startswith("verify_q") and k.endswith("_ms")})
@@ -173,11 +177,18 @@ class CostTable:
         self.d1 = (d[hi] - d[lo]) / (hi - lo) if hi > lo else 0.0
         self.d0 = d[lo] - self.d1 * lo
 
-    def verify(self, tokens: int) -> float:
+    def verify(self, tokens: int, active: Optional[int] = None) -> float:
+        """ms of a verification of ``tokens`` tokens over ``active`` rows (default all)."""
         xs, ys = self.xs, self.ys
-        if tokens <= xs[-1]:
-            return float(np.interp(tokens, xs, ys))
-        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (tokens - xs[-1])
+        idle = 0 if active is None else self.batch - active
+        n = tokens + idle
+        if n <= xs[-1]:
+            t = float(np.interp(n, xs, ys))
+        else:
+            t = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (n - xs[-1])
+        if idle:
+            t -= idle / (self.batch - 1) * (self.plain - self.plain_one)
+        return t
 
     def draft(self, rows: int) -> float:
         return self.d0 + self.d1 * rows
@@ -208,8 +219,9 @@ class _RowsReplay:
         return max(0.2, 1.0 + self.rng.gauss(0.0, self.noise))
 
     def verify(self, tokens: int, scored: bool) -> float:
-        """ms of a verification of ``tokens`` tokens (an unscored one of ``B`` tokens: a plain step)."""
-        t = self.table.verify(tokens) if scored or tokens != self.B else self.table.plain
+        """ms of a verification of ``tokens`` tokens over the active rows (an unscored one of ``B``
+        tokens: a plain step)."""
+        t = self.table.plain if not scored and tokens == self.B else self.table.verify(tokens, len(self.active()))
         if tokens not in self.seen:  # a new shape
             self.seen.add(tokens)
             t *= 1.0 + self.first_call

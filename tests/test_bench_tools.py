@@ -298,6 +298,13 @@ def test_gamma_policy_sim_replays_drafts_per_row_on_measured_costs(tmp_path):
     table = sim.CostTable({1: dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0, verify_q2_ms=12.0,
                                    verify_q4_ms=14.0)}, 1, "draft_step_ms")
     assert (table.verify(1), table.verify(3), table.verify(6)) == (10.0, 13.0, 16.0)
+    four = sim.CostTable({1: dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0),
+                          4: dict(full_step_ms=16.0, select_ms=1.0, draft_step_ms=3.0, verify_q2_ms=20.0,
+                                  verify_q3_ms=22.0)},
+                         4, "draft_step_ms")
+    # the last row of four alone: a batch-1 plain step; with its 3 drafts, the 7 tokens' cost less 3 rows'
+    assert four.verify(1, active=1) == pytest.approx(10.0) and four.verify(4, active=1) == pytest.approx(19.0 - 6.0)
+    assert four.draft(1) == pytest.approx(2.0) and four.draft(4) == pytest.approx(3.0)
     assert sim.simulate_rows(FixedGamma(0), [1.0], table, 10, 0.0, 0) == pytest.approx(1 / 10.0)
     # gamma 3, every draft accepted: 4 tokens per 3 draft steps + a verification of 4 + a selection
     assert sim.simulate_rows(FixedGamma(3), [1.0], table, 12, 0.0, 0) == pytest.approx(4 / (6.0 + 14.0 + 1.0))
