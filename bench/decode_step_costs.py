@@ -195,12 +195,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "record where the fastest one's time went (profile_ms: our attention ops, the linear "
                          "layers, the rest; other_net: the unprofiled minimum less both)")
     args = ap.parse_args(argv)
-    try:
-        qs = verify_tokens(args)
-    except ValueError:
-        qs = [0]
-    if min(qs, default=1) < 1:
-        ap.error(f"--verify-tokens: expected token counts >= 1 separated by commas, got {args.verify_tokens!r}")
+    shortest = min(int(x) for x in args.contexts.split(","))
+    for x in args.verify_tokens.split(","):
+        if x.strip() and not (x.strip().isascii() and x.strip().isdigit() and 1 <= int(x) <= shortest):
+            ap.error(f"--verify-tokens: {x.strip()!r} is not a token count in 1..{shortest} (the shortest context)")
     return args
 
 
@@ -244,16 +242,17 @@ class Cell:
 
 
 def verify_tokens(args: argparse.Namespace) -> list:
-    """The token counts per row of ``--verify-tokens`` (``[]`` without it)."""
+    """The token counts per row of ``--verify-tokens`` (``[]`` without it), checked by parse_args."""
     return [int(x) for x in args.verify_tokens.split(",") if x.strip()]
 
 
 def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
     """Fills the caches of one cell with random K/V (seeded: the same cell gets the same values)
-    and selects the draft budget over random block scores."""
-    g = max([args.gamma] + [q - 1 for q in verify_tokens(args)])
+    and selects the draft budget over random block scores (the draft tail: ``--gamma``'s)."""
+    g = args.gamma
+    span = max([g + 1] + verify_tokens(args))  # tokens fed at most
     torch.manual_seed(0)
-    cache = VegasCache.for_model(model, B, S + g + 2)
+    cache = VegasCache.for_model(model, B, S + span + 1)
     dev = cache.layers[0].keys.device
     for lay in cache.layers:
         lay.keys.normal_()
@@ -275,8 +274,8 @@ def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
         for i in range(L):
             hf_cache.update(torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype),
                             torch.randn(B, H, S, hd, device=dev, dtype=cache.layers[0].keys.dtype), i)
-    tok = torch.randint(0, model.config.vocab_size, (B, g + 1), device=dev)
-    pos = torch.full((B, g + 1), S, device=dev) + torch.arange(g + 1, device=dev)
+    tok = torch.randint(0, model.config.vocab_size, (B, span), device=dev)
+    pos = torch.full((B, span), S, device=dev) + torch.arange(span, device=dev)
     return Cell(B, S, cache, st, sel, ctx, hf_cache, tok, pos)
 
 

@@ -1,7 +1,7 @@
 """Replay a gamma policy against step costs and acceptance measured by ``bench/e2e.py``.
 
-The end-to-end runs that judge ``num_speculative_tokens="auto"`` are noisy (~10 % between
-repeats on a quiet 2-core VM) and slow (the auto-gamma grid takes over an hour), too noisy to
+The end-to-end runs that judge ``num_speculative_tokens="auto"`` are noisy (6-10 % between
+repeats of one configuration on a quiet 2-core VM) and slow (the auto-gamma grid takes over an hour), too noisy to
 compare two policy variants that differ by a few per cent. This script takes, per (context,
 batch) cell of a ``runs.jsonl`` from ``bench/e2e.py``, the costs the loop measured -- a plain
 step, a draft step, the selection, and the verification pass at each ``q = gamma + 1`` of the
@@ -20,8 +20,8 @@ verified token) against the forward times of ``bench/decode_step_costs.py --veri
 plain step, a draft step per row count, the selection and the verification of ``B q`` tokens for
 each ``q``; rows accept with probability ``p`` (spread over the batch with ``--row-spread``),
 finished rows stay in the batch with no tokens, and a first forward at each token count costs
-``--first-call`` more (oneDNN prepares each new shape once: 211 packed linears took ~+35 % at a
-new row count, ~15 % of a forward):
+``--first-call`` more (oneDNN prepares each new shape once: at 2 threads 211 packed linears took
+45 ms at their first call with 5 rows against 32 ms at their second, ~15 % of a forward):
 
     python -m bench.decode_step_costs --contexts 8192 --batches 1,4 --verify-tokens 2,3,4,5,6,7,8,9 \
         --draft-weights int8 --no-hf --threads 2 --out costs.jsonl
@@ -46,7 +46,7 @@ import os
 import random
 import statistics
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -151,44 +151,60 @@ def simulate(policy, p, t_plain, t_draft, t_select, verify, n_new, batch, noise,
     return batch * n_new / elapsed
 
 
+def _curve_points(r: dict, batch: int) -> Tuple[tuple, tuple]:
+    """``(tokens, ms)`` of one record's verifications: ``(B, full_step)`` and ``(B q, verify_q<q>)``."""
+    pts = {batch: float(r["full_step_ms"])}
+    pts.update({batch * int(k[len("verify_q"):-3]): float(v) for k, v in r.items()
+                if k.startswith("verify_q") and k.endswith("_ms") and isinstance(v, (int, float))})
+    return tuple(zip(*sorted(pts.items())))
+
+
+def _on_curve(xs, ys, n: float) -> float:
+    """Linear between the points, the last two points' line beyond."""
+    if n <= xs[-1] or len(xs) < 2:
+        return float(np.interp(n, xs, ys))
+    return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (n - xs[-1])
+
+
 class CostTable:
     """Measured forward times of one batch size from ``bench/decode_step_costs.py --verify-tokens``
     (ms): a plain step, the verification of ``n`` tokens packed over the batch (each row's ``q``
     tokens: the points ``(B q, verify_q<q>)`` and ``(B, full_step)``, linear between them, the last
     two points' line beyond), a draft step of ``r`` rows (the line through the file's batch sizes:
     a step drafts only the rows that still draft) and the selection. Finished rows stay in the
-    batch with no tokens: a verification with ``a`` of ``B`` rows active costs the table's at
-    ``n + B - a`` tokens less ``(B - a) / (B - 1)`` of the plain step's difference between ``B``
-    rows and one (the file's batch 1), so that the last row alone costs about a batch-1 step."""
+    batch with no tokens: with ``a`` of ``B`` rows active, ``q = n / a`` tokens each, a verification
+    costs the batch-1 curve's at ``q`` plus ``(a - 1) / (B - 1)`` of the way to this batch's at
+    ``B q`` (the last row alone costs a batch-1 verification); without batch 1 in the file, this
+    batch's at ``B q`` (idle rows priced as active ones). Raises ``ValueError`` on a record that
+    lacks a field or holds fewer than two verification counts."""
 
     def __init__(self, recs: dict, batch: int, draft_key: str):
         r = recs[batch]
-        self.batch, self.plain, self.select = batch, r["full_step_ms"], r["select_ms"]
-        self.plain_one = recs[1]["full_step_ms"] if 1 in recs else r["full_step_ms"]
-        pts = {batch: r["full_step_ms"]}
-        pts.update({batch * int(k[len("verify_q"):-3]): v for k, v in r.items()
-                    if k.startswith("verify_q") and k.endswith("_ms")})
-        if len(pts) < 3:
-            raise SystemExit(f"--costs: batch {batch} has no verify_q<q>_ms entries (run decode_step_costs "
-                             "with --verify-tokens)")
-        self.xs, self.ys = zip(*sorted(pts.items()))
-        d = {b: rec.get(draft_key, rec["draft_step_ms"]) for b, rec in recs.items()}
+        for name in ("full_step_ms", "select_ms", draft_key):
+            if not isinstance(r.get(name), (int, float)):
+                raise ValueError(f"batch {batch} has no number {name!r} (fields: {', '.join(sorted(r))})")
+        self.batch, self.plain, self.select = batch, float(r["full_step_ms"]), float(r["select_ms"])
+        self.xs, self.ys = _curve_points(r, batch)
+        if len(self.xs) < 3:
+            raise ValueError(f"batch {batch} has no verify_q<q>_ms entries (run decode_step_costs with "
+                             "--verify-tokens)")
+        self.one = _curve_points(recs[1], 1) if 1 in recs and batch > 1 else None
+        d = {b: float(rec[draft_key]) for b, rec in recs.items() if isinstance(rec.get(draft_key), (int, float))}
         lo, hi = min(d), max(d)
         self.d1 = (d[hi] - d[lo]) / (hi - lo) if hi > lo else 0.0
         self.d0 = d[lo] - self.d1 * lo
 
     def verify(self, tokens: int, active: Optional[int] = None) -> float:
         """ms of a verification of ``tokens`` tokens over ``active`` rows (default all)."""
-        xs, ys = self.xs, self.ys
-        idle = 0 if active is None else self.batch - active
-        n = tokens + idle
-        if n <= xs[-1]:
-            t = float(np.interp(n, xs, ys))
-        else:
-            t = ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (n - xs[-1])
-        if idle:
-            t -= idle / (self.batch - 1) * (self.plain - self.plain_one)
-        return t
+        a = self.batch if active is None else max(1, active)
+        if a == self.batch:
+            return _on_curve(self.xs, self.ys, tokens)
+        q = tokens / a
+        full = _on_curve(self.xs, self.ys, self.batch * q)
+        if self.one is None:
+            return full
+        one = _on_curve(*self.one, q)
+        return one + (a - 1) / (self.batch - 1) * (full - one)
 
     def draft(self, rows: int) -> float:
         return self.d0 + self.d1 * rows
@@ -196,12 +212,26 @@ class CostTable:
 
 def load_cost_tables(path: str, context: Optional[int], draft_key: str) -> Dict[int, "CostTable"]:
     """``{batch: CostTable}`` from the records of a ``decode_step_costs`` JSONL (the last record per
-    (context, batch); ``context`` None: the largest context in the file)."""
-    recs = [json.loads(x) for x in open(path) if x.strip()]
+    (context, batch); ``context`` None: the largest context in the file). Raises ``OSError`` for a
+    file it cannot read and ``ValueError`` for one without usable records."""
+    recs = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"line {i} is not JSON ({e.msg})") from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("context"), int) \
+                        or not isinstance(rec.get("batch"), int):
+                    raise ValueError(f"line {i} is not a decode_step_costs record (no context and batch)")
+                recs.append(rec)
+    if not recs:
+        raise ValueError("no records")
     ctx = context if context is not None else max(r["context"] for r in recs)
     by_batch = {r["batch"]: r for r in recs if r["context"] == ctx}
     if not by_batch:
-        raise SystemExit(f"--costs: no record at context {ctx} in {path}")
+        raise ValueError(f"no record at context {ctx} (contexts: {sorted({r['context'] for r in recs})})")
     return {b: CostTable(by_batch, b, draft_key) for b in sorted(by_batch)}
 
 
@@ -267,16 +297,20 @@ class _RowsReplay:
                                       torch.tensor(drafted), torch.tensor(accepted))
 
 
-def simulate_rows(policy, p_rows, table: CostTable, n_new, noise, seed, first_call=0.0, cap=8):
+def simulate_rows(policy, p_rows, table: CostTable, n_new, noise, seed, first_call=0.0):
     """Decode ``len(p_rows)`` rows to ``n_new`` tokens each as our loop does with drafts per row
     (``policy.choose_rows``; finished rows stay in the batch with no tokens, draft steps draft the
     rows that still draft), row ``b`` accepting each draft with probability ``p_rows[b]`` given the
     ones before it; timings from ``table`` times Gaussian noise (relative std ``noise``), the first
-    forward at each token count ``1 + first_call`` times dearer (a new shape). Returns tokens per ms."""
+    forward at each token count ``1 + first_call`` times dearer (a new shape; the prefill's last
+    forward, ``cap + 1`` tokens per row, is the first at its count and is not counted in the time).
+    Returns tokens per ms."""
     run = _RowsReplay(policy, p_rows, table, n_new, noise, seed, first_call)
     B = run.B
-    if hasattr(policy, "observe_prefill"):  # the prefill's last forward: cap + 1 tokens per row
-        policy.observe_prefill(B * (cap + 1), B, run.verify(B * (cap + 1), True) / 1e3)
+    n0 = B * (policy.max_gamma + 1)
+    t0 = run.verify(n0, True)
+    if hasattr(policy, "observe_prefill"):  # the cost model's first point
+        policy.observe_prefill(n0, B, t0 / 1e3)
     fresh = True  # the prefill scored the KV blocks
     while run.active():
         gs = policy.choose_rows(run.caps()).clamp(min=0).tolist()
@@ -292,7 +326,7 @@ def simulate_rows(policy, p_rows, table: CostTable, n_new, noise, seed, first_ca
 
 def main_rows(args: argparse.Namespace) -> None:
     """``--costs``: our loop's ``auto`` (drafts per row) against fixed gammas on a measured cost table."""
-    tables = load_cost_tables(args.costs, args.context, args.draft_key)
+    tables = args.tables
     cap = args.max_speculative_tokens
     policies = {"full": lambda: FixedGamma(0), "auto": lambda: make_gamma_policy(cap, "auto")}
     for i, v in enumerate(args.variants or []):
@@ -308,9 +342,10 @@ def main_rows(args: argparse.Namespace) -> None:
     worst = {k: [] for k in names}
     for B, table in tables.items():
         for p in args.acceptance:
-            p_rows = [min(1.0, max(0.0, p + args.row_spread * (2 * b / max(1, B - 1) - 1))) for b in range(B)]
+            p_rows = [p] if B == 1 else [min(1.0, max(0.0, p + args.row_spread * (2 * b / (B - 1) - 1)))
+                                         for b in range(B)]
             rate = {k: statistics.mean(simulate_rows(mk(), p_rows, table, args.new_tokens, args.noise, s,
-                                                     args.first_call, cap) for s in range(args.seeds))
+                                                     args.first_call) for s in range(args.seeds))
                     for k, mk in policies.items()}
             fixed = {k: v for k, v in rate.items() if k.startswith("gamma")}
             best = max(fixed, key=fixed.get)
@@ -321,6 +356,22 @@ def main_rows(args: argparse.Namespace) -> None:
     print()
     for k in names:
         print(f"{k} / best fixed: min {min(worst[k]):.3f}, mean {statistics.mean(worst[k]):.3f}")
+
+
+def _check_numbers(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for numbers out of range (NaN included)."""
+    def bad(name, ok):
+        if not ok:
+            ap.error(f"--{name}: got {getattr(args, name.replace('-', '_'))}")
+
+    bad("seeds", args.seeds >= 1)
+    bad("new-tokens", args.new_tokens >= 2)
+    bad("max-speculative-tokens", args.max_speculative_tokens >= 1)
+    bad("noise", 0.0 <= args.noise < 1.0)
+    bad("first-call", 0.0 <= args.first_call < 10.0)
+    bad("row-spread", 0.0 <= args.row_spread <= 1.0)
+    bad("acceptance", all(0.0 <= p <= 1.0 for p in args.acceptance))
+    bad("fixed", all(1 <= g <= args.max_speculative_tokens for g in args.fixed))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -348,16 +399,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--first-call", type=float, default=0.15,
                     help="with --costs: a first forward at a token count costs this much more (a new shape)")
     ap.add_argument("--row-spread", type=float, default=0.0,
-                    help="with --costs: rows' acceptance spread evenly over p +- this")
+                    help="with --costs: rows' acceptance spread evenly over p +- this (batch 1: p)")
     ap.add_argument("--variants", type=json.loads, default=None, metavar="JSON",
                     help="with --costs: a list of RowGamma keyword dicts, each replayed beside auto")
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help='AutoGamma keyword arguments of a second auto policy, reported beside the default, '
                          'e.g. \'{"max_probe_interval": 16}\'')
     args = ap.parse_args(argv)
+    _check_numbers(ap, args)
+    if args.costs is not None:
+        if args.variant is not None:
+            ap.error("--variant is for --runs (AutoGamma); with --costs give --variants (RowGamma)")
+        try:  # read here: a bad file is a usage error, before the replay
+            args.tables = load_cost_tables(args.costs, args.context, args.draft_key)
+        except (OSError, ValueError) as e:
+            ap.error(f"--costs {args.costs}: {e}")
+    elif args.variants is not None:
+        ap.error("--variants is for --costs; with --runs give --variant")
     if args.variants is not None:
         if not isinstance(args.variants, list) or not all(isinstance(v, dict) for v in args.variants):
             ap.error("--variants: expected a JSON list of objects")
+        if any("cost_ema" in v for v in args.variants):
+            ap.error("--variants: RowGamma does not use cost_ema")
         for v in args.variants:
             try:
                 RowGamma(args.max_speculative_tokens, **v)

@@ -295,27 +295,37 @@ def test_gamma_policy_sim_replays_drafts_per_row_on_measured_costs(tmp_path):
                    check=True, capture_output=True, cwd=ROOT)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert all(r[f"verify_q{q}_ms"] > 0 for r in recs for q in (2, 3, 5))
+    for q in ("301", "0", "x"):  # a count past the context, none, not a count: usage errors
+        bad = subprocess.run([sys.executable, "-m", "bench.decode_step_costs", "--contexts", "300", "--verify-tokens",
+                              f"2,{q}"], capture_output=True, text=True, cwd=ROOT)
+        assert bad.returncode == 2 and f"--verify-tokens: '{q}'" in bad.stderr, bad.stderr
     table = sim.CostTable({1: dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0, verify_q2_ms=12.0,
                                    verify_q4_ms=14.0)}, 1, "draft_step_ms")
     assert (table.verify(1), table.verify(3), table.verify(6)) == (10.0, 13.0, 16.0)
-    four = sim.CostTable({1: dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0),
-                          4: dict(full_step_ms=16.0, select_ms=1.0, draft_step_ms=3.0, verify_q2_ms=20.0,
-                                  verify_q3_ms=22.0)},
-                         4, "draft_step_ms")
-    # the last row of four alone: a batch-1 plain step; with its 3 drafts, the 7 tokens' cost less 3 rows'
-    assert four.verify(1, active=1) == pytest.approx(10.0) and four.verify(4, active=1) == pytest.approx(19.0 - 6.0)
+    one = dict(full_step_ms=10.0, select_ms=1.0, draft_step_ms=2.0, verify_q2_ms=12.0, verify_q4_ms=14.0)
+    four = sim.CostTable({1: one, 4: dict(full_step_ms=16.0, select_ms=1.0, draft_step_ms=3.0, verify_q2_ms=20.0,
+                                          verify_q3_ms=22.0)}, 4, "draft_step_ms")
+    # finished rows stay in the batch: the last row alone costs a batch-1 verification; two rows of
+    # 4 tokens, a third of the way from batch 1's 14 ms to batch 4's 24 ms (the line past 4 x 3 tokens)
+    assert four.verify(1, active=1) == 10.0 and four.verify(4, active=1) == 14.0 and four.verify(4) == 16.0
+    assert four.verify(8, active=2) == pytest.approx(14.0 + (24.0 - 14.0) / 3)
     assert four.draft(1) == pytest.approx(2.0) and four.draft(4) == pytest.approx(3.0)
     assert sim.simulate_rows(FixedGamma(0), [1.0], table, 10, 0.0, 0) == pytest.approx(1 / 10.0)
     # gamma 3, every draft accepted: 4 tokens per 3 draft steps + a verification of 4 + a selection
     assert sim.simulate_rows(FixedGamma(3), [1.0], table, 12, 0.0, 0) == pytest.approx(4 / (6.0 + 14.0 + 1.0))
     r = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out), "--seeds", "2",
                         "--new-tokens", "12", "--acceptance", "0.5", "0.9", "--fixed", "1", "2",
+                        "--draft-key", "draft_step_ms",
                         "--variants", '[{"prior_weight": 4}]'], check=True, capture_output=True, text=True, cwd=ROOT)
     rows = [x for x in r.stdout.splitlines() if re.match(r"\| [12] \| 0\.[59]0 \| gamma [12]", x)]
     assert len(rows) == 4, r.stdout
-    bad = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out), "--variants",
-                          '[{"prior_weight": -1}]'], capture_output=True, text=True, cwd=ROOT)
+    bad = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out), "--draft-key",
+                          "draft_step_ms", "--variants", '[{"prior_weight": -1}]'], capture_output=True, text=True,
+                         cwd=ROOT)
     assert bad.returncode == 2 and "--variants" in bad.stderr and "prior_weight" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out)],
+                         capture_output=True, text=True, cwd=ROOT)  # no int8 draft step in this file
+    assert bad.returncode == 2 and "no number 'draft_step_int8_ms'" in bad.stderr
 
 
 # ------------------------------------------------------------------ the torch-free C++ benchmarks
