@@ -196,9 +196,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "layers, the rest; other_net: the unprofiled minimum less both)")
     args = ap.parse_args(argv)
     shortest = min(int(x) for x in args.contexts.split(","))
-    for x in args.verify_tokens.split(","):
-        if x.strip() and not (x.strip().isascii() and x.strip().isdigit() and 1 <= int(x) <= shortest):
-            ap.error(f"--verify-tokens: {x.strip()!r} is not a token count in 1..{shortest} (the shortest context)")
+    counts = [x.strip() for x in args.verify_tokens.split(",") if x.strip()]
+    for x in counts:
+        if not (x.isascii() and x.isdigit() and 1 <= int(x) <= shortest):
+            ap.error(f"--verify-tokens: {x!r} is not a token count in 1..{shortest} (the shortest context)")
+    args.verify_tokens = [int(x) for x in counts]  # parsed once: build_cell and main read the list
     return args
 
 
@@ -241,16 +243,11 @@ class Cell:
         return self.cache.layers[0].keys.device
 
 
-def verify_tokens(args: argparse.Namespace) -> list:
-    """The token counts per row of ``--verify-tokens`` (``[]`` without it), checked by parse_args."""
-    return [int(x) for x in args.verify_tokens.split(",") if x.strip()]
-
-
 def build_cell(model, args: argparse.Namespace, B: int, S: int) -> Cell:
     """Fills the caches of one cell with random K/V (seeded: the same cell gets the same values)
     and selects the draft budget over random block scores (the draft tail: ``--gamma``'s)."""
     g = args.gamma
-    span = max([g + 1] + verify_tokens(args))  # tokens fed at most
+    span = max([g + 1] + args.verify_tokens)  # tokens fed at most
     torch.manual_seed(0)
     cache = VegasCache.for_model(model, B, S + span + 1)
     dev = cache.layers[0].keys.device
@@ -441,7 +438,7 @@ def main(argv=None):
         for S in [int(x) for x in args.contexts.split(",")]:
             cell = build_cell(model, args, B, S)
             compiled = _compiled(cell.dev) if args.compile_steps else None
-            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans, compiled, verify_tokens(args))
+            fns, ours = cell_forwards(model, cell, args.gamma, dws, leans, compiled, args.verify_tokens)
             best = time_cell(model, cell, fns, ours, dws, args.reps)
             prof = profile_cell(model, cell, fns, ours, dws, best) if args.profile else None
             if args.profile_summary:
