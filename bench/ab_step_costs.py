@@ -6,8 +6,9 @@
 Each round runs ``python -m bench.decode_step_costs ARGS`` (this checkout's script: the same
 measurement for both) once on each tree's package and build (``PYTHONPATH`` = its ``python/``),
 the order alternating every round,
-pinned to one core (as bench/ab_trees_cpu.py, whose reasons apply: two trees timed at once in two
-processes measure identical code 10-20 % apart on a shared 2-core VM). Reported per cell (context,
+pinned to the same cores (``--cpus``, one by default, with as many OpenMP threads; as
+bench/ab_trees_cpu.py, whose reasons apply: two trees timed at once in two processes measure
+identical code 10-20 % apart on a shared 2-core VM). Reported per cell (context,
 batch) and step: each tree's median over rounds of the per-process minimum, and the median of the
 per-round ratio old / new; plus draft / plain step ratios and ``--profile``'s split of the draft
 steps. Writes ``<--out>.{jsonl,md}`` (the raw records, one per tree and round, and the table).
@@ -28,11 +29,13 @@ from bench.common import RESULTS, ROOT, command_line, commit_label
 STEPS = ("full_step_ms", "draft_step_ms", "draft_step_fp16_ms", "draft_step_int8_ms", "verify_ms", "select_ms")
 
 
-def run_tree(tree: Path, argv, cpu: int) -> list:
-    """One ``decode_step_costs`` process (this checkout's) on ``tree``'s package: its JSON records."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(ROOT)]), OMP_NUM_THREADS="1")
+def run_tree(tree: Path, argv, cpus: str) -> list:
+    """One ``decode_step_costs`` process (this checkout's) on ``tree``'s package, pinned to ``cpus``
+    (a taskset list) with one OpenMP thread per core: its JSON records."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(ROOT)]),
+               OMP_NUM_THREADS=str(len(cpus.split(","))))
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
-        cmd = ["taskset", "-c", str(cpu), sys.executable, "-m", "bench.decode_step_costs", *argv, "--out", f.name]
+        cmd = ["taskset", "-c", cpus, sys.executable, "-m", "bench.decode_step_costs", *argv, "--out", f.name]
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         return [json.loads(line) for line in Path(f.name).read_text().splitlines() if line.strip()]
 
@@ -71,7 +74,7 @@ def summarize(recs: dict) -> list:
 def markdown(rows, meta, argv) -> str:
     lines = [f"Command: `{command_line('ab_step_costs', argv)}`", "",
              f"new = {meta['new']}, old = {meta['old']}; one `decode_step_costs` process per tree at a time, order "
-             f"alternating, {meta['rounds']} rounds, pinned to one core; ms = median over rounds of each process's "
+             f"alternating, {meta['rounds']} rounds, pinned to core(s) {meta['cpus']}; ms = median over rounds of each process's "
              "minimum; old / new = median of the per-round ratios.", "",
              "| context x batch | step | old ms | new ms | old / new | old / plain | new / plain |",
              "|---|---|---|---|---|---|---|"]
@@ -108,16 +111,21 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.ab_step_costs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--old-tree", required=True, help="a second checkout with an in-place build")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cpu", type=int, default=1, help="core to pin the processes to (taskset)")
+    ap.add_argument("--cpus", default="1", metavar="LIST",
+                    help="cores to pin the processes to (taskset -c LIST, e.g. 1 or 0,1); OMP_NUM_THREADS = their "
+                         "count, so pass decode_step_costs a matching --threads")
     ap.add_argument("--out", default=str(RESULTS / "tmp" / "ab_step_costs"))
     args = ap.parse_args(ours)
+    if not all(c.strip().isdigit() for c in args.cpus.split(",")):
+        ap.error(f"--cpus: a comma-separated list of core numbers, e.g. 0,1 (got {args.cpus!r})")
     trees = {"new": ROOT, "old": Path(args.old_tree).resolve()}
     recs = {t: [] for t in trees}
     for rnd in range(args.rounds):
         for t in (["new", "old"] if rnd % 2 == 0 else ["old", "new"]):
-            recs[t] += [dict(r, tree=t, round=rnd) for r in run_tree(trees[t], theirs, args.cpu)]
+            recs[t] += [dict(r, tree=t, round=rnd) for r in run_tree(trees[t], theirs, args.cpus)]
             print(f"round {rnd} {t} done", file=sys.stderr, flush=True)
-    meta = dict(new=commit_label(trees["new"]), old=commit_label(trees["old"]), rounds=args.rounds, argv=sys.argv)
+    meta = dict(new=commit_label(trees["new"]), old=commit_label(trees["old"]), rounds=args.rounds, cpus=args.cpus,
+                argv=sys.argv)
     rows = summarize(recs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out + ".jsonl", "w") as f:

@@ -38,6 +38,14 @@ inline int64_t parallel_grain(int64_t tasks, int64_t work, int64_t min_work = in
   return tasks * work < min_work ? std::max<int64_t>(tasks, 1) : 1;
 }
 
+// What parallel_grain counts for one row-token whose K/V rows are gathered by index (a draft's
+// selected blocks) instead of streamed: each row is a DRAM miss that no hardware prefetcher
+// foresees (~18 ns per row-token on one Zen 4 thread, against the ~1.5 ns the threshold assumes),
+// so a draft call over a few hundred tokens is worth the fork/join. Measured on Zen 4, SmolLM2 at
+// 8K, 2 threads, int8 draft weights: the draft step's attention ops 8.3 -> 5.6 ms at batch 4 and
+// 2.6 -> 1.8 ms at batch 1 (bench/results/draft_attention_threads_zen4/).
+constexpr int64_t kGatheredTokenWork = 64;
+
 // Runs fn(state, task) for task in [0, ntasks): on the calling thread alone when the
 // total work (ntasks * work_per_task row-tokens) is below parallel_grain's threshold or one
 // intra-op thread is set, else on ATen's intra-op (OpenMP) threads, each pulling tasks from

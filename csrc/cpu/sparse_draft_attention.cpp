@@ -60,7 +60,7 @@ void draft_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const T* vp = v_cache.data_ptr<T>();
 
   parallel_tasks(
-      B * Hkv * nsplit, R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
+      B * Hkv * nsplit, kGatheredTokenWork * R * split_len, [&] { return TaskBuffers(R, Rp, static_cast<int>(D)); },
       [&](TaskBuffers& tb, int64_t task) {
         const int64_t sp = task % nsplit, bg = task / nsplit;
         const int64_t b = bg / Hkv, g = bg % Hkv;
