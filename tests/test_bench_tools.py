@@ -99,7 +99,18 @@ def test_report_gamma_reproduces_the_committed_table(tmp_path, capsys):
     assert report.main(["gamma", *runs, "--out", str(tmp_path)]) == 0
     got = (tmp_path / "summary.md").read_text()
     assert got == open(os.path.join(RESULTS, "gamma_xeon_avx512", "summary.md")).read()
-    assert re.search(r"^\| 7927 \| 4 \| \*\*1\.59\*\* \|.* \| 1\.00 \|$", got, re.M)
+    assert re.search(r"^\| 7927 \| 4 \| \*\*1\.59\*\* \|.* \| 1\.00 \| 1\.01 \|$", got, re.M)
+
+
+def test_report_held_out_ratio_chooses_gamma_on_the_other_repeats():
+    """Per repeat, the fixed γ with the best median over the other repeats, and auto over that γ in
+    this repeat; the median of those ratios (None below two repeats)."""
+    cell = {"auto": {"by_repeat": {0: 1.1, 1: 1.1, 2: 1.1}},
+            2: {"by_repeat": {0: 1.0, 1: 1.0, 2: 1.3}},
+            4: {"by_repeat": {0: 1.1, 1: 1.1, 2: 1.0}}}
+    # repeat 0 and 1: γ 2 leads the others (1.15 vs 1.05) and runs 1.0 there; repeat 2: γ 4 (1.1 vs 1.0), 1.0
+    assert report.held_out_ratio(cell) == pytest.approx(1.1)
+    assert report.held_out_ratio({"auto": {"by_repeat": {0: 1.0}}, 2: {"by_repeat": {0: 1.0}}}) is None
 
 
 def test_report_figure_pools_the_committed_grid(tmp_path, capsys):
