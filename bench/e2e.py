@@ -473,8 +473,9 @@ class Harness:
 
 
 def setup(args: argparse.Namespace, argv=None) -> Harness:
-    """Threads, device and dtype from ``args``; loads the model; creates the results folder and
-    writes its ``config.json`` (the command line ``argv``, default ``sys.argv``, and the environment)."""
+    """Threads, device and dtype from ``args``; loads the model; creates the results folder, writes
+    its ``config.json`` (the command line ``argv``, default ``sys.argv``, and the environment) and
+    empties its ``runs.jsonl`` (a rerun into the same folder replaces the runs, not adds to them)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
@@ -495,7 +496,11 @@ def setup(args: argparse.Namespace, argv=None) -> Harness:
         json.dump({"argv": sys.argv if argv is None else list(argv), "args": vars(args), "model": model_name,
                    "model_load_s": load_s, "model_load": dict(models.last_load_info),
                    "packed_linears": packed, **env}, f, indent=1)
-    return Harness(args, model, tok, device, dtype, model_name, env, out_dir)
+    h = Harness(args, model, tok, device, dtype, model_name, env, out_dir)
+    # a folder holds one invocation: its runs.jsonl starts empty, as config.json and summary.md are
+    # rewritten (the runs are appended as they come, so an interrupted grid keeps what it ran)
+    open(h.runs_path, "w").close()
+    return h
 
 
 def warm_up(h: Harness, cfgs: List[Dict[str, Any]]) -> None:

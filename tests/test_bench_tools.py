@@ -217,6 +217,19 @@ def test_e2e_harness_runs_and_records_every_field(tiny_doc_model_dir, tmp_path, 
     assert "identical to our plain decoding in" in text and "## Every run" in text
 
 
+def test_e2e_rerun_into_a_folder_replaces_its_runs(tiny_doc_model_dir, tmp_path):
+    """A second invocation with the same --out starts runs.jsonl afresh (it had appended to the
+    first's records, and a report over the folder mixed the two)."""
+    out = tmp_path / "res"
+    argv = ["--model", tiny_doc_model_dir, "--docs", "pride_and_prejudice", "--context-lengths", "200",
+            "--batch-sizes", "1", "--algorithms", "full", "--max-new-tokens", "2", "--repeats", "{}",
+            "--out", str(out), "--threads", "1", "--no-plots"]
+    for repeats in (2, 1):
+        assert e2e.main([a.format(repeats) for a in argv]) == 0
+    recs = [json.loads(line) for line in open(out / "runs.jsonl")]
+    assert [r["repeat"] for r in recs] == [0]
+
+
 def test_e2e_run_records_compare_each_run_with_the_same_repeats_baselines():
     """run_records (one repeat of a cell) on made-up results: the identity flags and speedups against
     that repeat's ``full`` and ``hf`` runs, the gamma policy's fields (cost_* as fitted_*) only on
