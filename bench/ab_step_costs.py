@@ -74,8 +74,8 @@ def summarize(recs: dict) -> list:
 def markdown(rows, meta, argv) -> str:
     lines = [f"Command: `{command_line('ab_step_costs', argv)}`", "",
              f"new = {meta['new']}, old = {meta['old']}; one `decode_step_costs` process per tree at a time, order "
-             f"alternating, {meta['rounds']} rounds, pinned to core(s) {meta['cpus']}; ms = median over rounds of each process's "
-             "minimum; old / new = median of the per-round ratios.", "",
+             f"alternating, {meta['rounds']} rounds, pinned to core(s) {meta['cpus']}; ms = median over rounds of each "
+             "process's minimum; old / new = median of the per-round ratios.", "",
              "| context x batch | step | old ms | new ms | old / new | old / plain | new / plain |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
