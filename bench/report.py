@@ -312,8 +312,8 @@ def _gamma_doc_row(doc, ctx, B, c, gammas) -> str:
     ident = all(v["identical"] for v in c.values())
     return (f"| {doc} | {ctx} | {B} | {fmt(c.get('full', {}).get('tok_s'))} | **{fmt(a)}** | "
             + " | ".join(fmt(c[g]["speedup"]) if g in c else "–" for g in gammas)
-            + f" | γ {best_g} ({fmt(fixed.get(best_g))}) | {fmt(rel)} | {fmt(held_out_ratio(c))} | {auto.get('hist')} | "
-            f"{fmt(auto.get('mal'))} | "
+            + f" | γ {best_g} ({fmt(fixed.get(best_g))}) | {fmt(rel)} | {fmt(held_out_ratio(c))} | "
+            f"{auto.get('hist')} | {fmt(auto.get('mal'))} | "
             f"{_yes(None if a is None else a >= FULL_TARGET)} | {_yes(None if rel is None else rel >= BEST_TARGET)} | "
             f"{_yes(ident)} |")
 
