@@ -249,7 +249,7 @@ def grid_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]) 
 def gamma_cells(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[Any, Dict[str, Any]]]:
     """``{(doc, context, batch): {gamma: {"speedup", "tok_s", "mal", "hist", "identical", "n", "by_repeat"}}}``
     for the ``vegas`` runs (gamma an int or ``"auto"``) and ``full`` (key ``"full"``); ``by_repeat``:
-    ``{repeat: speedup over the same repeat's full}``."""
+    ``{repeat: decode tok/s}``."""
     groups: Dict[tuple, Dict[Any, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         if r["algorithm"] == "full":
@@ -271,28 +271,28 @@ def gamma_cells(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[Any, Dict[str
                 "hist": hist,
                 "identical": all(r.get("identical_to_plain") for r in rs),
                 "n": len(rs),
-                "by_repeat": {r.get("repeat", 0): r.get("speedup_vs_full") for r in rs
-                              if r.get("speedup_vs_full") is not None},
+                "by_repeat": {r.get("repeat", 0): r.get("decode_tokens_per_s") for r in rs
+                              if r.get("decode_tokens_per_s") is not None},
             }
     return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])))
 
 
 def held_out_ratio(cell: Dict[Any, Dict[str, Any]]) -> Optional[float]:
     """``auto`` over the best fixed γ, that γ chosen on the other repeats: for each repeat ``r``, the
-    fixed γ whose median speedup over the repeats other than ``r`` is highest, and ``auto``'s speedup
-    in ``r`` over that γ's in ``r``; the median over repeats. The best of several noisy medians,
+    fixed γ with the highest median decode tok/s over the repeats other than ``r``, and its tok/s in
+    ``r``; ``auto``'s median tok/s over the median of those. The best of several noisy medians,
     chosen on the repeats it is compared on, is rated above its true speed (with this VM's 6-7 %
     spread between repeats, the best of four by 3-4 %: docs/gamma_policy.md); a γ chosen on other
-    repeats is not. None below two repeats with ``auto`` and a fixed γ."""
+    repeats is not. Medians, not per-repeat ratios: a run now and then takes 2-3x its time on a
+    shared VM. None below two repeats with ``auto`` and a fixed γ."""
     auto = cell.get("auto", {}).get("by_repeat", {})
     fixed = {g: cell[g]["by_repeat"] for g in _fixed(cell)}
-    ratios = []
-    for r, a in auto.items():
-        others = {g: median([s for q, s in by.items() if q != r]) for g, by in fixed.items() if r in by and len(by) > 1}
+    picked = []
+    for r in auto:
+        others = {g: median([t for q, t in by.items() if q != r]) for g, by in fixed.items() if r in by and len(by) > 1}
         if others:
-            g = max(others, key=others.get)
-            ratios.append(a / fixed[g][r])
-    return median(ratios) if len(ratios) >= 2 else None
+            picked.append(fixed[max(others, key=others.get)][r])
+    return median(auto.values()) / median(picked) if len(picked) >= 2 else None
 
 
 def _fixed(cell) -> List[int]:

@@ -103,13 +103,13 @@ def test_report_gamma_reproduces_the_committed_table(tmp_path, capsys):
 
 
 def test_report_held_out_ratio_chooses_gamma_on_the_other_repeats():
-    """Per repeat, the fixed γ with the best median over the other repeats, and auto over that γ in
-    this repeat; the median of those ratios (None below two repeats)."""
-    cell = {"auto": {"by_repeat": {0: 1.1, 1: 1.1, 2: 1.1}},
-            2: {"by_repeat": {0: 1.0, 1: 1.0, 2: 1.3}},
-            4: {"by_repeat": {0: 1.1, 1: 1.1, 2: 1.0}}}
-    # repeat 0 and 1: γ 2 leads the others (1.15 vs 1.05) and runs 1.0 there; repeat 2: γ 4 (1.1 vs 1.0), 1.0
-    assert report.held_out_ratio(cell) == pytest.approx(1.1)
+    """Per repeat, the fixed γ with the best median tok/s over the other repeats, and its tok/s in
+    this repeat; auto's median over the median of those (None below two repeats)."""
+    cell = {"auto": {"by_repeat": {0: 11.0, 1: 11.0, 2: 12.0}},
+            2: {"by_repeat": {0: 10.0, 1: 10.0, 2: 13.0}},
+            4: {"by_repeat": {0: 11.0, 1: 11.0, 2: 10.0}}}
+    # repeats 0 and 1: γ 2 leads the others (11.5 vs 10.5) and runs 10 there; repeat 2: γ 4 (11 vs 10), 10
+    assert report.held_out_ratio(cell) == pytest.approx(11.0 / 10.0)
     assert report.held_out_ratio({"auto": {"by_repeat": {0: 1.0}}, 2: {"by_repeat": {0: 1.0}}}) is None
 
 
