@@ -1,6 +1,6 @@
 """bench/decode_step_costs.py in two checkouts, one process at a time: a decoding step's A/B.
 
-    python -m bench.ab_step_costs --old-tree /path/to/other/checkout [--rounds 3] [--out PREFIX] \
+    python -m bench.ab_step_costs --old-tree /path/to/other/checkout [--rounds 3] [--cpus 1] [--out PREFIX] \
         -- --contexts 8192 --batches 1,4 --gamma 4 --draft-weights int8 --profile --no-hf --threads 1
 
 Each round runs ``python -m bench.decode_step_costs ARGS`` (this checkout's script: the same
@@ -116,8 +116,10 @@ def main(argv=None):
                          "count, so pass decode_step_costs a matching --threads")
     ap.add_argument("--out", default=str(RESULTS / "tmp" / "ab_step_costs"))
     args = ap.parse_args(ours)
-    if not all(c.strip().isdigit() for c in args.cpus.split(",")):
-        ap.error(f"--cpus: a comma-separated list of core numbers, e.g. 0,1 (got {args.cpus!r})")
+    cores = [c.strip() for c in args.cpus.split(",")]
+    if not all(c.isdigit() for c in cores) or len(set(map(int, cores))) != len(cores):
+        ap.error(f"--cpus: a comma-separated list of distinct core numbers, e.g. 0,1 (got {args.cpus!r})")
+    args.cpus = ",".join(str(int(c)) for c in cores)
     trees = {"new": ROOT, "old": Path(args.old_tree).resolve()}
     recs = {t: [] for t in trees}
     for rnd in range(args.rounds):

@@ -473,9 +473,8 @@ class Harness:
 
 
 def setup(args: argparse.Namespace, argv=None) -> Harness:
-    """Threads, device and dtype from ``args``; loads the model; creates the results folder, writes
-    its ``config.json`` (the command line ``argv``, default ``sys.argv``, and the environment) and
-    empties its ``runs.jsonl`` (a rerun into the same folder replaces the runs, not adds to them)."""
+    """Threads, device and dtype from ``args``; loads the model; creates the results folder and
+    writes its ``config.json`` (the command line ``argv``, default ``sys.argv``, and the environment)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
@@ -496,11 +495,7 @@ def setup(args: argparse.Namespace, argv=None) -> Harness:
         json.dump({"argv": sys.argv if argv is None else list(argv), "args": vars(args), "model": model_name,
                    "model_load_s": load_s, "model_load": dict(models.last_load_info),
                    "packed_linears": packed, **env}, f, indent=1)
-    h = Harness(args, model, tok, device, dtype, model_name, env, out_dir)
-    # a folder holds one invocation: its runs.jsonl starts empty, as config.json and summary.md are
-    # rewritten (the runs are appended as they come, so an interrupted grid keeps what it ran)
-    open(h.runs_path, "w").close()
-    return h
+    return Harness(args, model, tok, device, dtype, model_name, env, out_dir)
 
 
 def warm_up(h: Harness, cfgs: List[Dict[str, Any]]) -> None:
@@ -513,7 +508,8 @@ def warm_up(h: Harness, cfgs: List[Dict[str, Any]]) -> None:
 
 def run_cells(h: Harness, cfgs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Every cell (document x context x batch size), each configuration ``--repeats`` times; each
-    run's record is appended to ``runs.jsonl`` as it comes. Returns the records."""
+    run's record is written to ``runs.jsonl`` as it comes (a folder holds one invocation's runs: a
+    rerun into it starts the file afresh, as it rewrites config.json). Returns the records."""
     from tqdm.auto import tqdm
 
     args = h.args
@@ -521,7 +517,7 @@ def run_cells(h: Harness, cfgs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     total = len(cells) * args.repeats * len(cfgs)
     bar = tqdm(total=total, desc="e2e", unit="run", file=sys.stderr, dynamic_ncols=True)
     records: List[Dict[str, Any]] = []
-    with open(h.runs_path, "a") as runs_f:
+    with open(h.runs_path, "w") as runs_f:
         for doc, ctx_req, B in cells:
             for recs in run_cell(h, cfgs, doc, ctx_req, B, bar):
                 records += recs

@@ -249,7 +249,7 @@ def grid_markdown(records: List[Dict[str, Any]], configs: List[Dict[str, Any]]) 
 def gamma_cells(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[Any, Dict[str, Any]]]:
     """``{(doc, context, batch): {gamma: {"speedup", "tok_s", "mal", "hist", "identical", "n", "by_repeat"}}}``
     for the ``vegas`` runs (gamma an int or ``"auto"``) and ``full`` (key ``"full"``); ``by_repeat``:
-    ``{repeat: decode tok/s}``."""
+    ``{repeat: decode tok/s}`` (the median where pooled files repeat a repeat number)."""
     groups: Dict[tuple, Dict[Any, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         if r["algorithm"] == "full":
@@ -271,28 +271,38 @@ def gamma_cells(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[Any, Dict[str
                 "hist": hist,
                 "identical": all(r.get("identical_to_plain") for r in rs),
                 "n": len(rs),
-                "by_repeat": {r.get("repeat", 0): r.get("decode_tokens_per_s") for r in rs
-                              if r.get("decode_tokens_per_s") is not None},
+                "by_repeat": _by_repeat(rs),
             }
     return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])))
 
 
+def _by_repeat(rs: List[Dict[str, Any]]) -> Dict[int, float]:
+    """``{repeat: median decode tok/s of the runs of that repeat}`` (a missing repeat counts as 0)."""
+    by: Dict[int, List[float]] = defaultdict(list)
+    for r in rs:
+        if r.get("decode_tokens_per_s") is not None:
+            by[r.get("repeat", 0)].append(r["decode_tokens_per_s"])
+    return {k: median(v) for k, v in by.items()}
+
+
 def held_out_ratio(cell: Dict[Any, Dict[str, Any]]) -> Optional[float]:
-    """``auto`` over the best fixed γ, that γ chosen on the other repeats: for each repeat ``r``, the
-    fixed γ with the highest median decode tok/s over the repeats other than ``r``, and its tok/s in
-    ``r``; ``auto``'s median tok/s over the median of those. The best of several noisy medians,
-    chosen on the repeats it is compared on, is rated above its true speed (with this VM's 6-7 %
-    spread between repeats, the best of four by 3-4 %: docs/gamma_policy.md); a γ chosen on other
-    repeats is not. Medians, not per-repeat ratios: a run now and then takes 2-3x its time on a
-    shared VM. None below two repeats with ``auto`` and a fixed γ."""
+    """``auto`` over the best fixed γ, that γ chosen on the other repeats: for each repeat ``r`` of
+    ``auto``, the fixed γ with the highest median decode tok/s over its repeats other than ``r``
+    (among the γ that ran in ``r`` and in another repeat), and its tok/s in ``r``; ``auto``'s
+    median tok/s over the median of those, both over the same repeats. The best of several noisy
+    medians, chosen on the repeats it is compared on, is rated above its true speed (with this VM's
+    6-7 % spread between repeats, the best of four by 3-4 %: docs/gamma_policy.md); a γ chosen on
+    other repeats is not. Medians of 3 or more repeats also keep out a run that took 2-3x its time
+    (seen now and then on a shared VM); of 2 they are means. None below two such repeats."""
     auto = cell.get("auto", {}).get("by_repeat", {})
     fixed = {g: cell[g]["by_repeat"] for g in _fixed(cell)}
-    picked = []
-    for r in auto:
+    ours, picked = [], []
+    for r, a in auto.items():
         others = {g: median([t for q, t in by.items() if q != r]) for g, by in fixed.items() if r in by and len(by) > 1}
         if others:
+            ours.append(a)
             picked.append(fixed[max(others, key=others.get)][r])
-    return median(auto.values()) / median(picked) if len(picked) >= 2 else None
+    return median(ours) / median(picked) if len(picked) >= 2 else None
 
 
 def _fixed(cell) -> List[int]:
@@ -347,7 +357,7 @@ def gamma_markdown(records: List[Dict[str, Any]]) -> str:
         per_ctx[(ctx, B)]["held_out"].append(held_out_ratio(c))
     lines += ["", "Medians over documents:", "",
               "| ctx | B | auto | " + " | ".join(f"γ {g}" for g in gammas)
-              + " | best fixed | auto / best | auto / best, held out |",
+              + " | best fixed | auto / best | auto / best, held out (median of the documents') |",
               "| ---: | ---: | ---: | " + " | ".join("---:" for _ in gammas) + " | --- | ---: | ---: |"]
     for (ctx, B), by_g in sorted(per_ctx.items()):
         fixed = {g: median(by_g[g]) for g in gammas if by_g.get(g)}
