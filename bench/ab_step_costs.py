@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, ROOT, command_line, commit_label
+from bench.common import RESULTS, ROOT, add_cpus_flag, check_cpus, command_line, commit_label
 
 STEPS = ("full_step_ms", "draft_step_ms", "draft_step_fp16_ms", "draft_step_int8_ms", "verify_ms", "select_ms")
 
@@ -111,15 +111,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.ab_step_costs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--old-tree", required=True, help="a second checkout with an in-place build")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cpus", default="1", metavar="LIST",
-                    help="cores to pin the processes to (taskset -c LIST, e.g. 1 or 0,1); OMP_NUM_THREADS = their "
-                         "count, so pass decode_step_costs a matching --threads")
+    add_cpus_flag(ap)  # pass decode_step_costs a matching --threads
     ap.add_argument("--out", default=str(RESULTS / "tmp" / "ab_step_costs"))
     args = ap.parse_args(ours)
-    cores = [c.strip() for c in args.cpus.split(",")]
-    if not all(c.isdigit() for c in cores) or len(set(map(int, cores))) != len(cores):
-        ap.error(f"--cpus: a comma-separated list of distinct core numbers, e.g. 0,1 (got {args.cpus!r})")
-    args.cpus = ",".join(str(int(c)) for c in cores)
+    check_cpus(ap, args)
     trees = {"new": ROOT, "old": Path(args.old_tree).resolve()}
     recs = {t: [] for t in trees}
     for rnd in range(args.rounds):

@@ -4,8 +4,8 @@
     python -m bench.ab_trees_cpu --old-tree ... --op sparse_draft_attention --layers 30   # a draft step's reads
 
 Each round runs one fresh process per tree (the order alternating every round), each timing every
-cell (median of --calls calls after 3 untimed ones) on one thread pinned to one core, with
-its own inputs (`tests/op_utils.make_inputs`, the tests' generator). Reported per cell: the median
+cell (median of --calls calls after 3 untimed ones) pinned to --cpus (one core by default) with a
+thread per core, with its own inputs (`tests/op_utils.make_inputs`, the tests' generator). Reported per cell: the median
 over rounds of each tree's time and of the per-round ratio old / new. With --layers N each call
 attends over each of N copies of the cache in turn, allocated on huge pages as VegasCache allocates
 its buffers, so the K/V come from DRAM as in a decoding step (the default, one cache, stays in the
@@ -30,13 +30,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import GRID_SHAPES as SHAPES, RESULTS, ROOT, command_line, commit_label
+from bench.common import GRID_SHAPES as SHAPES, RESULTS, ROOT, add_cpus_flag, check_cpus, command_line, commit_label
 
 WORKER = r"""
 import json, sys, time, torch
 import vegas_ext.ops  # noqa: F401  (loads this tree's extension)
 from op_utils import make_inputs
-torch.set_num_threads(1)
+torch.set_num_threads(int(sys.argv[6]))
 cells, calls, layers = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 op, budget = sys.argv[4], float(sys.argv[5])
 out = []
@@ -88,7 +88,7 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=15)
-    ap.add_argument("--cpu", type=int, default=1, help="core to pin the workers to (taskset)")
+    add_cpus_flag(ap)
     ap.add_argument("--layers", type=int, default=1,
                     help="time one call on each of this many copies of the cache (on huge pages), so the "
                          "K/V come from DRAM as in a decoding step (30: SmolLM2's layers); the time is per call")
@@ -97,6 +97,7 @@ def parse_args(argv=None):
                     help="sparse_draft_attention: the selected fraction of the S tokens (vegas's default ratio)")
     ap.add_argument("--out", default=str(RESULTS / "tmp" / "ab_trees"))
     args = ap.parse_args(argv)
+    args.threads = check_cpus(ap, args)
     if not 0 < args.budget < 1:
         ap.error(f"--budget must be in (0, 1), got {args.budget}")
     if args.op == "sparse_draft_attention":
@@ -107,8 +108,8 @@ def parse_args(argv=None):
 def run_tree(tree: Path, cells, args) -> list:
     """One worker process on ``tree``'s build: the median seconds per call of every cell."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(ROOT / "tests")]))
-    cmd = ["taskset", "-c", str(args.cpu), sys.executable, "-c", WORKER, json.dumps(cells), str(args.calls),
-           str(args.layers), args.op, str(args.budget)]
+    cmd = ["taskset", "-c", args.cpus, sys.executable, "-c", WORKER, json.dumps(cells), str(args.calls),
+           str(args.layers), args.op, str(args.budget), str(args.threads)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -121,7 +122,7 @@ def result_rows(names, times, args) -> list:
         old = [times["old"][r][i] for r in range(args.rounds)]
         ratios = [o / n for o, n in zip(old, new)]
         B, Hq, Hkv, D = SHAPES[s]
-        rows.append(dict(shape=s, S=S, Q=Q, R=Q * Hq // Hkv, D=D, block_size=args.block_size, threads=1,
+        rows.append(dict(shape=s, S=S, Q=Q, R=Q * Hq // Hkv, D=D, block_size=args.block_size, threads=args.threads,
                          new_ms=round(1e3 * statistics.median(new), 3), old_ms=round(1e3 * statistics.median(old), 3),
                          speedup=round(statistics.median(ratios), 3), speedup_min=round(min(ratios), 3),
                          speedup_max=round(max(ratios), 3),
@@ -131,8 +132,9 @@ def result_rows(names, times, args) -> list:
 
 
 def markdown(rows, meta, args, argv) -> str:
-    what = (f"verify_attention, fp32, 1 thread, block size {args.block_size}" if args.op == "verify_attention" else
-            f"sparse_draft_attention, fp32, 1 thread, one draft token over {args.budget:g} of S in 1-token "
+    thr = f"{args.threads} thread{'s' if args.threads > 1 else ''} (cores {args.cpus})"
+    what = (f"verify_attention, fp32, {thr}, block size {args.block_size}" if args.op == "verify_attention" else
+            f"sparse_draft_attention, fp32, {thr}, one draft token over {args.budget:g} of S in 1-token "
             "blocks + a 7-token tail")
     lines = [f"Command: `{command_line('ab_trees_cpu', argv)}`", "",
              what + f"; new = {meta['new']}, old = {meta['old']}; one process per tree at a time, order "

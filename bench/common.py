@@ -142,6 +142,23 @@ def add_pack_linears_flag(ap: argparse.ArgumentParser) -> None:
                          "(vegas_ext.pack_linear_weights; default on, as in the CLI)")
 
 
+def add_cpus_flag(ap: argparse.ArgumentParser) -> None:
+    """``--cpus LIST``: the cores an A/B's processes are pinned to (``taskset -c``), one OpenMP thread
+    each; checked and normalized by :func:`check_cpus`."""
+    ap.add_argument("--cpus", default="1", metavar="LIST",
+                    help="cores to pin the processes to (taskset -c LIST, e.g. 1 or 0,1), one thread per core")
+
+
+def check_cpus(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Normalizes ``args.cpus`` (distinct core numbers, comma-separated) and returns their count;
+    ``ap.error`` (exit 2) naming the flag otherwise."""
+    cores = [c.strip() for c in args.cpus.split(",")]
+    if not all(c.isdigit() for c in cores) or len(set(map(int, cores))) != len(cores):
+        ap.error(f"--cpus: a comma-separated list of distinct core numbers, e.g. 0,1 (got {args.cpus!r})")
+    args.cpus = ",".join(str(int(c)) for c in cores)
+    return len(cores)
+
+
 def pack_linears(model, enabled: bool) -> int:
     """``vegas_ext.pack_linear_weights(model)`` where ``enabled`` (``--pack-linears``); the number packed."""
     from vegas_ext.packed_linear import pack_linear_weights
