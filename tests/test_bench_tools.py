@@ -79,6 +79,21 @@ def test_kernel_grid_has_no_second_tree():
 
 
 
+def test_ab_scripts_pin_to_the_cores_given():
+    """--cpus of the A/B scripts: distinct core numbers, normalized, one thread per core; anything
+    else exits 2 naming the flag."""
+    from bench import ab_step_costs, ab_trees_cpu
+
+    args = ab_trees_cpu.parse_args(["--old-tree", "/tmp", "--cpus", " 0, 1"])
+    assert (args.cpus, args.threads) == ("0,1", 2)
+    assert ab_trees_cpu.parse_args(["--old-tree", "/tmp"]).threads == 1
+    for bad in ("0,,1", "1,1", "0-3", "a"):
+        with pytest.raises(SystemExit):
+            ab_trees_cpu.parse_args(["--old-tree", "/tmp", "--cpus", bad])
+        with pytest.raises(SystemExit):
+            ab_step_costs.main(["--old-tree", "/tmp", "--cpus", bad, "--", "--threads", "2"])
+
+
 def test_bench_functions_stay_short():
     """bench/'s scripts read as named steps (parse args, build the cells, run one cell, report): no
     function of bench/*.py spans more than 60 lines (scripts/longest_functions.py counts them)."""
