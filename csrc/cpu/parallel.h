@@ -33,17 +33,21 @@ inline int64_t choose_num_splits(int64_t tasks, int64_t max_tokens, int64_t thre
 // join (measured: a sparse draft call 0.5 ms single-threaded vs 15 ms with 2 threads on a
 // loaded 2-core machine).
 // `min_work` is the total below which one thread runs everything (default: 64K row-tokens,
-// about 0.1 ms of attention work).
+// about 0.1 ms of attention work over streamed tokens; gathered ones weigh kGatheredTokenWork).
 inline int64_t parallel_grain(int64_t tasks, int64_t work, int64_t min_work = int64_t(1) << 16) {
   return tasks * work < min_work ? std::max<int64_t>(tasks, 1) : 1;
 }
 
 // What parallel_grain counts for one row-token whose K/V rows are gathered by index (a draft's
 // selected blocks) instead of streamed: each row is a DRAM miss that no hardware prefetcher
-// foresees (~18 ns per row-token on one Zen 4 thread, against the ~1.5 ns the threshold assumes),
-// so a draft call over a few hundred tokens is worth the fork/join. Measured on Zen 4, SmolLM2 at
-// 8K, 2 threads, int8 draft weights: the draft step's attention ops 8.3 -> 5.6 ms at batch 4 and
-// 2.6 -> 1.8 ms at batch 1 (bench/results/draft_attention_threads_zen4/).
+// foresees (~18 ns per row-token on one Zen 4 thread, against the ~1.5 ns the threshold assumes).
+// 64, not the ~12 of that ratio, is where the measured calls all fork: at SmolLM2's shapes, 8K,
+// 30 layers' caches, on a Zen 4 VM with 2 threads, the op ran 1.15-1.66x faster forked at 32-410
+// gathered tokens per KV head (batch 1 and 4, medians of 3 alternating rounds), while at 12 a
+// batch-1 8K draft call (410 tokens) stayed on one thread. Above ~1K weighted row-tokens a draft
+// call now forks, so on a loaded machine it can stall on a descheduled worker, as the linears
+// around it already do. In the decode step: the int8 draft step 1.21x faster at 8K x 4, 1.13x at
+// 8K x 1 (bench/results/draft_attention_threads_zen4/).
 constexpr int64_t kGatheredTokenWork = 64;
 
 // Runs fn(state, task) for task in [0, ntasks): on the calling thread alone when the
