@@ -29,11 +29,11 @@ from bench.common import RESULTS, ROOT, add_cpus_flag, check_cpus, command_line,
 STEPS = ("full_step_ms", "draft_step_ms", "draft_step_fp16_ms", "draft_step_int8_ms", "verify_ms", "select_ms")
 
 
-def run_tree(tree: Path, argv, cpus: str) -> list:
+def run_tree(tree: Path, argv, cpus: str, threads: int) -> list:
     """One ``decode_step_costs`` process (this checkout's) on ``tree``'s package, pinned to ``cpus``
-    (a taskset list) with one OpenMP thread per core: its JSON records."""
+    (a taskset list) with ``threads`` OpenMP threads (one per core): its JSON records."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "python"), str(ROOT)]),
-               OMP_NUM_THREADS=str(len(cpus.split(","))))
+               OMP_NUM_THREADS=str(threads))
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
         cmd = ["taskset", "-c", cpus, sys.executable, "-m", "bench.decode_step_costs", *argv, "--out", f.name]
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -114,12 +114,12 @@ def main(argv=None):
     add_cpus_flag(ap)  # pass decode_step_costs a matching --threads
     ap.add_argument("--out", default=str(RESULTS / "tmp" / "ab_step_costs"))
     args = ap.parse_args(ours)
-    check_cpus(ap, args)
+    threads = check_cpus(ap, args)
     trees = {"new": ROOT, "old": Path(args.old_tree).resolve()}
     recs = {t: [] for t in trees}
     for rnd in range(args.rounds):
         for t in (["new", "old"] if rnd % 2 == 0 else ["old", "new"]):
-            recs[t] += [dict(r, tree=t, round=rnd) for r in run_tree(trees[t], theirs, args.cpus)]
+            recs[t] += [dict(r, tree=t, round=rnd) for r in run_tree(trees[t], theirs, args.cpus, threads)]
             print(f"round {rnd} {t} done", file=sys.stderr, flush=True)
     meta = dict(new=commit_label(trees["new"]), old=commit_label(trees["old"]), rounds=args.rounds, cpus=args.cpus,
                 argv=sys.argv)

@@ -277,7 +277,8 @@ def gamma_cells(records: List[Dict[str, Any]]) -> Dict[tuple, Dict[Any, Dict[str
 
 
 def _by_repeat(rs: List[Dict[str, Any]]) -> Dict[int, float]:
-    """``{repeat: median decode tok/s of the runs of that repeat}`` (a missing repeat counts as 0)."""
+    """``{repeat: median decode tok/s of the runs of that repeat}`` (a record without a ``repeat``
+    field counts as repeat 0)."""
     by: Dict[int, List[float]] = defaultdict(list)
     for r in rs:
         if r.get("decode_tokens_per_s") is not None:
@@ -313,7 +314,7 @@ def _yes(ok: Optional[bool]) -> str:
     return "–" if ok is None else ("yes" if ok else "**no**")
 
 
-def _gamma_doc_row(doc, ctx, B, c, gammas) -> str:
+def _gamma_doc_row(doc, ctx, B, c, gammas, held_out) -> str:
     auto = c.get("auto", {})
     fixed = {g: c[g]["speedup"] for g in _fixed(c) if c[g]["speedup"] is not None}
     best_g = max(fixed, key=fixed.get) if fixed else None
@@ -322,7 +323,7 @@ def _gamma_doc_row(doc, ctx, B, c, gammas) -> str:
     ident = all(v["identical"] for v in c.values())
     return (f"| {doc} | {ctx} | {B} | {fmt(c.get('full', {}).get('tok_s'))} | **{fmt(a)}** | "
             + " | ".join(fmt(c[g]["speedup"]) if g in c else "–" for g in gammas)
-            + f" | γ {best_g} ({fmt(fixed.get(best_g))}) | {fmt(rel)} | {fmt(held_out_ratio(c))} | "
+            + f" | γ {best_g} ({fmt(fixed.get(best_g))}) | {fmt(rel)} | {fmt(held_out)} | "
             f"{auto.get('hist')} | {fmt(auto.get('mal'))} | "
             f"{_yes(None if a is None else a >= FULL_TARGET)} | {_yes(None if rel is None else rel >= BEST_TARGET)} | "
             f"{_yes(ident)} |")
@@ -351,10 +352,11 @@ def gamma_markdown(records: List[Dict[str, Any]]) -> str:
     ]
     per_ctx = defaultdict(lambda: defaultdict(list))
     for (doc, ctx, B), c in cells.items():
-        lines.append(_gamma_doc_row(doc, ctx, B, c, gammas))
+        held_out = held_out_ratio(c)
+        lines.append(_gamma_doc_row(doc, ctx, B, c, gammas, held_out))
         for g, v in c.items():
             per_ctx[(ctx, B)][g].append(v["speedup"])
-        per_ctx[(ctx, B)]["held_out"].append(held_out_ratio(c))
+        per_ctx[(ctx, B)]["held_out"].append(held_out)
     lines += ["", "Medians over documents:", "",
               "| ctx | B | auto | " + " | ".join(f"γ {g}" for g in gammas)
               + " | best fixed | auto / best | auto / best, held out (median of the documents') |",
