@@ -1032,6 +1032,9 @@ def test_cpu_snapshot_reads_proc_stat():
     if not os.path.exists("/proc/stat"):
         assert a is None
         return
-    sum(i * i for i in range(200_000))  # some CPU time of our own
+    # os.times() counts in clock ticks (10 ms): spin until one passes, bounded so a bug cannot hang
     b = report.cpu_snapshot()
+    while b[2] <= a[2] and b[0] - a[0] < 5.0:
+        sum(i * i for i in range(20_000))
+        b = report.cpu_snapshot()
     assert b[0] > a[0] and b[1] >= a[1] and b[2] > a[2]
