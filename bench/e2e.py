@@ -305,6 +305,8 @@ def _add_grid_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--query-weights", default="all", help="all (default) or first_last")
     ap.add_argument("--refresh-interval", type=int, default=1,
                     help="selection_refresh_interval: re-select every N iterations (SparseSpec; default 1)")
+    ap.add_argument("--score-decay", type=float, default=None,
+                    help="score_decay of vegas (default: generate's); a spec's decay=X (vegas/decay=0) overrides it")
 
 
 def _add_run_flags(ap: argparse.ArgumentParser) -> None:
@@ -357,13 +359,14 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
-    """``"vegas/first_last/shared/refresh=4/bs=64"`` -> algorithm name and its options (defaults
-    from ``--query-weights``, ``--share-selection``, ``--refresh-interval``). Raises ``ValueError``
-    on an unknown option."""
+    """``"vegas/first_last/shared/refresh=4/decay=0/bs=64"`` -> algorithm name and its options
+    (defaults from ``--query-weights``, ``--share-selection``, ``--refresh-interval``,
+    ``--score-decay``). Raises ``ValueError`` on an unknown option."""
     name, *opts = spec.split("/")
     out = {"algorithm": name, "variant": "/".join(o for o in opts if not o.startswith("g=")),
            "query_weights": args.query_weights, "share_selection_across_heads": args.share_selection,
-           "selection_refresh_interval": args.refresh_interval, "block_size_override": None,
+           "selection_refresh_interval": args.refresh_interval, "score_decay": args.score_decay,
+           "block_size_override": None,
            "draft_weights_override": None, "gamma_override": None}
     for o in opts:
         if o in ("first_last", "all"):
@@ -372,6 +375,8 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
             out["share_selection_across_heads"] = o == "shared"
         elif o.startswith("refresh="):
             out["selection_refresh_interval"] = int(o.split("=", 1)[1])
+        elif o.startswith("decay="):
+            out["score_decay"] = float(o.split("=", 1)[1])
         elif o.startswith("bs="):
             out["block_size_override"] = int(o.split("=", 1)[1])
         elif o.startswith("dw="):
@@ -393,7 +398,7 @@ def configurations(args) -> List[Dict[str, Any]]:
 
     cfgs = []
     none = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
-            "selection_refresh_interval": None}
+            "selection_refresh_interval": None, "score_decay": None}
     for a in args.algorithms:
         if a in ("hf", "full"):
             cfgs.append({"algorithm": a, "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None,
@@ -467,6 +472,8 @@ class Harness:
             extra.update(share_selection_across_heads=c["share_selection_across_heads"],
                          query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"],
                          draft_weights=c.get("draft_weights"))
+            if c.get("score_decay") is not None:
+                extra["score_decay"] = c["score_decay"]
         return run_ours(self.model, ids, mask, max_new, self.pad_id, c["algorithm"],
                         g if c["algorithm"] != "full" else 0, c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16,
                         extra)
@@ -572,6 +579,7 @@ def run_records(h: Harness, cell: Dict[str, Any], results: Dict[str, Any], cell_
             "max_new_tokens": h.args.max_new_tokens, "dtype": str(h.dtype).replace("torch.", ""),
             "model": h.model_name, "chat": h.args.chat,
             "sparse_attn_min_tokens": h.args.min_tokens if drafting else None,
+            "score_decay": s.get("score_decay") if drafting else None,  # the value used (generate's default too)
             **_stat_fields(s),
             "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
             "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),

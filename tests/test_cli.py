@@ -212,6 +212,7 @@ BAD = {
     "bad_top_p": (["--do-sample", "--top-p", "0"], "top-p"),
     "unknown_flag": (["--frobnicate"], "unrecognized"),
     "refresh_zero": (["--refresh-interval", "0"], "refresh-interval"),
+    "score_decay_above_one": (["--score-decay", "1.5"], "score-decay"),
     "bad_query_weights": (["--query-weights", "middle"], "query-weights"),
     "bad_device": (["--device", "gpu"], "--device"),
     "unknown_draft_weights": (["--draft-weights", "int3"], "--draft-weights"),
@@ -226,7 +227,7 @@ def test_rival_algorithms_and_vegas_options(algo, tiny_model_dir, capsys):
             "--max-new-tokens", "6", "--num-speculative-tokens", "3", "--gamma-policy", "fixed", "--json",
             "--no-progress", "--compare"]
     if algo == "vegas":
-        argv += ["--query-weights", "first_last", "--refresh-interval", "2"]
+        argv += ["--query-weights", "first_last", "--refresh-interval", "2", "--score-decay", "0.3"]
     rc, out, err = run_cli(argv, capsys)
     assert rc == 0, err
     d = json.loads(out)
@@ -234,6 +235,7 @@ def test_rival_algorithms_and_vegas_options(algo, tiny_model_dir, capsys):
     assert d["stats"]["sparse_attn_algorithm"] == algo
     if algo == "vegas":
         assert d["stats"]["query_weights"] == "first_last" and d["stats"]["selection_refresh_interval"] == 2
+        assert d["stats"]["score_decay"] == 0.3
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

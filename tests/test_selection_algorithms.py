@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vegas_ext import reference
+from vegas_ext import decode, ops, reference, speculation
 from vegas_ext.decode import (
     SELECTION_ALGORITHMS,
     VegasSelection,
@@ -59,6 +59,7 @@ VARIANTS = {
     "vegas-b1": dict(sparse_attn_algorithm="vegas", block_size=1),
     "vegas-b64": dict(sparse_attn_algorithm="vegas", block_size=64),
     "vegas-refresh3": dict(sparse_attn_algorithm="vegas", selection_refresh_interval=3),
+    "vegas-decay0": dict(sparse_attn_algorithm="vegas", score_decay=0.0),
     "quest-b1-sinks2": dict(sparse_attn_algorithm="quest", block_size=1, num_sink_blocks=2),
 }
 
@@ -289,6 +290,63 @@ def test_prefill_cache_reuse_is_lossless(alg):
     other_ids, other_mask = make_prompts(model.config.vocab_size, LENGTHS[3], seed=7)
     o2 = generate(model, other_ids, other_mask, max_new_tokens=4, sparse_attn_algorithm=alg, prefill_cache=pc, **SMALL)
     assert not o2.stats["prefill_reused"]  # a different prompt is recomputed
+
+
+@register_selection_algorithm("_test_rec_vegas_scores")
+class _RecVegasScores(VegasSelection):
+    def select(self, ctx):
+        _LOG.append((ctx.block_scores.clone(), len(_VERIFY_CALLS)))
+        return super().select(ctx)
+
+
+_VERIFY_CALLS = []
+
+
+class _Script(speculation.GammaPolicy):
+    """γ from a list, cycled (0: a plain step)."""
+
+    name = "script"
+    script = (2, 2, 0, 0, 2, 2, 2)
+
+    def choose_rows(self, caps):
+        g = self.script[len(self.history) % len(self.script)]
+        self.history.append(g)
+        return torch.minimum(torch.full_like(caps, g), caps.clamp(min=0))
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 1.0])
+def test_score_decay_adds_the_earlier_verifications_scores(decay, monkeypatch):
+    """The scores a selection ranks are ``decay`` times those the last one ranked plus the last
+    verification's; after plain steps that did not score, the scoring verification's alone.
+    Greedy output unchanged."""
+    real = ops.verify_attention
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        _VERIFY_CALLS.append(out[2].clone())
+        return out
+
+    monkeypatch.setattr(ops, "verify_attention", spy)
+    monkeypatch.setattr(decode, "make_gamma_policy", lambda cap, policy, **kw: _Script(cap))
+    model, ids, mask, ref = _case("llama", 1)
+    L = model.config.num_hidden_layers
+    _LOG.clear()
+    _VERIFY_CALLS.clear()
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=2,
+                   sparse_attn_algorithm="_test_rec_vegas_scores", score_decay=decay, **SMALL)
+    assert torch.equal(out.sequences, ref), first_diff(out.sequences, ref)
+    assert out.stats["score_decay"] == decay
+    prev, prev_calls, resets = None, None, 0
+    for scores, n in _LOG:
+        last = torch.stack(_VERIFY_CALLS[n - L:n])[:, None, 0]  # [L, 1, H, N]: the last forward's
+        assert last.shape == scores.shape
+        # a plain step in between (more than one forward's calls since) that did not score
+        fresh = prev is not None and n - prev_calls == L
+        resets += prev is not None and not fresh
+        want = decay * prev + last if fresh else last
+        torch.testing.assert_close(scores, want, rtol=1e-6, atol=1e-7)
+        prev, prev_calls = scores, n
+    assert resets >= 2 and len(_LOG) > resets + 3
 
 
 def test_refresh_interval_validation():

@@ -82,6 +82,8 @@ class AttentionState:
         query_weights: ``None`` (every verification query counts) or a function ``Q -> [Q]`` float32
             tensor of weights for ``verify_attention``.
         block_scores: ``[L, B, H_kv, N]`` float32, filled by each layer in ``"verify"`` mode.
+        score_decay: the next verification stores ``score_decay * block_scores + its scores``
+            (the loop sets it to 0 after a verification that did not score: no stale mass).
         block_indices: ``[L, B, H_kv, K]`` int32 selected blocks for ``"draft"`` mode (``-1`` unused).
         tail_start: ``[B]`` int32, start of the draft tail (the last verification window).
         draft_hook: optional ``(layer_idx, q [B,Q,H_q,D], k_cache, v_cache) -> [B, H_kv, K]`` int32
@@ -104,6 +106,7 @@ class AttentionState:
     block_size: int = 16
     query_weights: Optional[Callable[[int], Optional[Tensor]]] = None
     block_scores: Optional[Tensor] = None
+    score_decay: float = 0.0
     block_indices: Optional[Tensor] = None
     tail_start: Optional[Tensor] = None
     draft_hook: Optional[Callable] = None
@@ -225,7 +228,7 @@ def vegas_attention_forward(
             q, key, value, st.cache.seq_lens, st.block_size, float(scaling), st.weights_for(q.shape[1])
         )
         if st.block_scores is not None:
-            st.block_scores[layer].copy_(scores)
+            _store_scores(st.block_scores[layer], scores, st.score_decay)
         return out, None
     if mode == "draft":
         if st.draft_hook is not None:
@@ -237,6 +240,14 @@ def vegas_attention_forward(
         )
         return out, None
     raise RuntimeError(f"vegas attention: unknown mode {mode!r}")
+
+
+def _store_scores(into: Tensor, scores: Tensor, decay: float) -> None:
+    """``into = decay * into + scores`` in place (``scores`` alone at 0)."""
+    if decay:
+        into.mul_(decay).add_(scores)
+    else:
+        into.copy_(scores)
 
 
 _VERIFY_CPU = ops.cpu_op("verify_attention")
@@ -255,7 +266,7 @@ def _packed_verify(st: AttentionState, layer: int, q: Tensor, key: Tensor, value
                                  st.block_size, scaling, st.weights_for(n))
         out[:, s:s + n] = o
         if st.block_scores is not None:
-            st.block_scores[layer, b].copy_(scores[0])
+            _store_scores(st.block_scores[layer, b], scores[0], st.score_decay)
     return out
 
 

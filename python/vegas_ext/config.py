@@ -375,6 +375,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
          doc="verification queries that score blocks"),
     _opt("selection_refresh_interval", 1, "int", 1, INT64_MAX, cli="--refresh-interval",
          doc="re-select the draft blocks every n iterations"),
+    _opt("score_decay", 0.8, "float", 0.0, 1.0, cli="--score-decay",
+         doc="vegas: block scores = score_decay x the earlier ones + the last verification's, so blocks that "
+             "recent verifications attended to stay selected; 0: the last verification's alone (the paper's)"),
     _opt("draft_granularity", "page", "choice", choices=DRAFT_GRANULARITIES, vllm="draft_granularity",
          doors=("vllm",), doc="vLLM: drafts attend to whole selected pages or to selected tokens (the loop's "
                               "block_size=1)"),
@@ -449,8 +452,9 @@ def check_selection(values: Mapping[str, Any], labels: Optional[Mapping[str, str
                     algorithms: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """``sparse_attn_algorithm`` (one of ``algorithms``, default :data:`ALGORITHMS`),
     ``share_selection_across_heads`` (bool), ``query_weights`` (one of :data:`QUERY_WEIGHTS`),
-    ``selection_refresh_interval`` (>= 1), those present."""
-    out = _check(("share_selection_across_heads", "query_weights", "selection_refresh_interval"), values, labels)
+    ``selection_refresh_interval`` (>= 1), ``score_decay`` (in ``[0, 1]``), those present."""
+    out = _check(("share_selection_across_heads", "query_weights", "selection_refresh_interval", "score_decay"),
+                 values, labels)
     if "sparse_attn_algorithm" in values:
         name = _label("sparse_attn_algorithm", labels)
         out["sparse_attn_algorithm"] = OPTIONS["sparse_attn_algorithm"].check(
@@ -524,6 +528,7 @@ class VegasConfig:
     share_selection_across_heads: bool = _default("share_selection_across_heads")
     query_weights: str = _default("query_weights")
     selection_refresh_interval: int = _default("selection_refresh_interval")
+    score_decay: float = _default("score_decay")
     do_sample: bool = _default("do_sample")
     temperature: float = _default("temperature")
     top_k: int = _default("top_k")

@@ -429,6 +429,8 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True, num_drafts: O
     scores, block_size = st.block_scores, st.block_size
     if not score:
         st.block_scores, st.block_size = None, max(block_size, COARSE_BLOCK_SIZE)
+    # earlier scores count only while every verification scored (a plain step's are not stored)
+    st.score_decay = state.settings.strategy.cfg.score_decay if state.scores_fresh else 0.0
     try:
         if q_lens is None:
             cache.begin_forward(g + 1)
@@ -872,6 +874,11 @@ def generate(
             (only the first and last, as in the authors' code).
         selection_refresh_interval: re-select the draft blocks only every n iterations and keep
             them in between (SparseSpec); 1 = after every verification (default). Used by ``"vegas"``.
+        score_decay: in ``[0, 1]``; the block scores a selection ranks are ``score_decay`` times
+            the earlier ones plus the last verification's (reset after a plain step that did not
+            score), so blocks that recent verifications attended to stay selected; 0: the last
+            verification's alone, as the paper. Used by ``"vegas"``; default 0.8
+            (docs/options.md).
         do_sample, temperature, top_k, top_p: sampling as in HF ``generate``; the same
             transformers warpers shape both target and draft distributions.
         eos_token_id: int or list; default ``model.generation_config.eos_token_id``; ``[]``
@@ -1099,6 +1106,7 @@ def _plan(model, opts: dict, prompt_lens: Tensor, max_pos: int) -> _Plan:
         num_sink_blocks=int(opts["num_sink_blocks"]),
         share_selection_across_heads=bool(opts["share_selection_across_heads"]),
         refresh_interval=int(opts["selection_refresh_interval"]),
+        score_decay=float(opts["score_decay"]),
     ))
     cap = opts["num_speculative_tokens"] if strategy.drafts else 0
     if opts["gamma_policy"] == "auto":  # auto's work grows with its range: no wider than useful
@@ -1137,7 +1145,7 @@ def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device) ->
     """The configuration a call ran with, as reported in its ``stats``."""
     keys = ("sparse_attn_algorithm", "sparse_attn_max_tokens", "query_weights")
     out = {k: opts[k] for k in keys}
-    out.update({k: float(opts[k]) for k in ("sparse_attn_ratio", "temperature", "top_p")})
+    out.update({k: float(opts[k]) for k in ("sparse_attn_ratio", "score_decay", "temperature", "top_p")})
     out.update({k: int(opts[k]) for k in ("sparse_attn_min_tokens", "num_sink_blocks", "selection_refresh_interval",
                                           "top_k", "max_new_tokens")})
     out.update({k: bool(opts[k]) for k in ("share_selection_across_heads", "do_sample")})
@@ -1154,9 +1162,9 @@ def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device) ->
 _CONFIG_KEYS = (
     "sparse_attn_algorithm", "num_speculative_tokens", "sparse_attn_ratio",
     "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size", "num_sink_blocks",
-    "share_selection_across_heads", "query_weights", "selection_refresh_interval", "do_sample", "temperature",
-    "top_k", "top_p", "max_new_tokens", "batch_size", "prompt_lengths", "dtype", "device", "draft_weights",
-    "compile_steps",
+    "share_selection_across_heads", "query_weights", "selection_refresh_interval", "score_decay", "do_sample",
+    "temperature", "top_k", "top_p", "max_new_tokens", "batch_size", "prompt_lengths", "dtype", "device",
+    "draft_weights", "compile_steps",
 )
 
 

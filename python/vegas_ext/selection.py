@@ -10,7 +10,7 @@ included).
   kernels (the honest baseline).
 * ``"vegas"`` -- :class:`VegasSelection`: top-k blocks by the attention mass the verification
   queries put on them (Vegas, arXiv 2602.07223), options ``query_weights``,
-  ``share_selection_across_heads``, ``block_size``, ``selection_refresh_interval``.
+  ``share_selection_across_heads``, ``block_size``, ``selection_refresh_interval``, ``score_decay``.
 * ``"streamingllm"`` -- :class:`StreamingLLMSelection`: attention sinks + the most recent blocks
   (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453; the
   drafter of MagicDec, Chen et al., arXiv 2408.11049). No scores.
@@ -64,6 +64,7 @@ class SelectionConfig:
     num_sink_blocks: int = config.OPTIONS["num_sink_blocks"].default
     share_selection_across_heads: bool = config.OPTIONS["share_selection_across_heads"].default
     refresh_interval: int = config.OPTIONS["selection_refresh_interval"].default
+    score_decay: float = config.OPTIONS["score_decay"].default
 
 
 @dataclass
@@ -189,7 +190,9 @@ class VegasSelection(SelectionStrategy):
     layer (scores summed over heads) with ``share_selection_across_heads``. All layers in one
     :func:`vegas_ext.ops.block_topk` call (layers stacked into the batch dimension). With
     ``refresh_interval = n > 1`` the blocks are re-selected only every ``n`` iterations and kept in
-    between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn")."""
+    between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn"). The scores it ranks carry
+    ``score_decay`` times the earlier verifications' (stored by the attention, not here), as
+    SparseSpec-L ranks by its last verification queries (arXiv 2607.27735)."""
 
     needs_verify_scores = True
     # 1, token granularity: highest acceptance in bench/results/variants_xeon_avx512
