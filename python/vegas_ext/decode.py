@@ -222,11 +222,14 @@ class DecodeState:
             ids[pos, T + n:] = ahead[sel]
             yield sel, pos, ids
 
-    def process(self, logits: Tensor, ahead: Tensor) -> Tensor:
+    def process(self, logits: Tensor, ahead: Tensor, counts: Optional[Tensor] = None) -> Tensor:
         """``logits`` ``[B, Q, V]`` of each row's next ``Q`` positions, position ``i`` following the
         row's tokens and ``ahead[:, :A - Q + 1 + i]`` (``A = ahead.shape[1]``), after
         ``logits_processor`` with each position's own prefix (float32, as HF's ``generate`` and
-        assisted decoding apply processors). Returns ``logits`` itself when there is none."""
+        assisted decoding apply processors). ``counts`` (``[B]`` int64, default all ``Q``): row
+        ``b``'s first ``counts[b]`` positions only; the rest, which the caller does not read, stay
+        as given (a row's drafts past its own count may run past ``max_new_tokens``, a prefix plain
+        decoding never shows a processor). Returns ``logits`` itself when there is no processor."""
         processor = self.settings.logits_processor
         if processor is None:
             return logits
@@ -234,7 +237,10 @@ class DecodeState:
         out = logits.to(torch.float32, copy=True)
         a0 = ahead.shape[1] - Q + 1
         for i in range(Q):
-            for sel, pos, ids in self.prefixes(ahead[:, : a0 + i]):
+            mask = None if counts is None else counts > i
+            if mask is not None and not bool(mask.any()):
+                continue
+            for sel, pos, ids in self.prefixes(ahead[:, : a0 + i], mask):
                 full = out.new_zeros((ids.shape[0], V))
                 full[pos] = out[sel, i]
                 out[sel, i] = processor(ids, full)[pos]
@@ -367,7 +373,8 @@ def draft(state: DecodeState, g: int, num_drafts: Optional[Tensor] = None):
                     q[rows, j] = qj
             else:
                 lg = forward(tok[:, None], pos)
-                tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j])[:, -1])
+                counts = None if want is None else (want > j).long()  # rows past their drafts: unread
+                tok, qj = state.sample_or_argmax(state.process(lg, drafts[:, :j], counts)[:, -1])
                 drafts[:, j] = tok
                 if q is not None:
                     q[:, j] = qj
@@ -460,7 +467,7 @@ def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tens
            num_drafts: Optional[Tensor] = None):
     """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``; row ``b``
     verifies its first ``num_drafts[b]`` drafts (default all)."""
-    logits = state.process(logits, drafts)
+    logits = state.process(logits, drafts, None if num_drafts is None else num_drafts + 1)
     cfg = state.settings
     if cfg.do_sample:
         return speculative_accept(drafts, q, probs(logits, cfg.warpers), cfg.generator, num_drafts)
