@@ -285,7 +285,7 @@ def _add_grid_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--algorithms", type=_csv(str), default=["hf", "full", "vegas"],
                     help="hf (HF generate), full, vegas, streamingllm, quest or any registered selection algorithm, "
                          "optionally with options after slashes: vegas/first_last, vegas/shared, vegas/refresh=4, "
-                         "vegas/bs=64 (overrides --block-sizes), quest/g=auto (this spec's gamma only, run once "
+                         "vegas/decay=0, vegas/bs=64 (overrides --block-sizes), quest/g=auto (this spec's gamma only, run once "
                          "beside a --num-speculative-tokens sweep), combinable (vegas/shared/first_last) "
                          "(default hf,full,vegas)")
     ap.add_argument("--num-speculative-tokens", type=_csv(int, ("auto",)), default=["auto"],
