@@ -427,6 +427,12 @@ def configurations(args) -> List[Dict[str, Any]]:
     return cfgs
 
 
+def _reads_scores(algorithm: str) -> bool:
+    from vegas_ext.decode import SELECTION_ALGORITHMS
+
+    return bool(SELECTION_ALGORITHMS[algorithm].needs_verify_scores)
+
+
 def cfg_label(c: Dict[str, Any]) -> str:
     """Short label of a configuration, e.g. ``vegas g6 r0.05 b16`` or ``vegas/first_last g6 r0.05 b16``."""
     if c["algorithm"] in ("hf", "full"):
@@ -579,7 +585,8 @@ def run_records(h: Harness, cell: Dict[str, Any], results: Dict[str, Any], cell_
             "max_new_tokens": h.args.max_new_tokens, "dtype": str(h.dtype).replace("torch.", ""),
             "model": h.model_name, "chat": h.args.chat,
             "sparse_attn_min_tokens": h.args.min_tokens if drafting else None,
-            "score_decay": s.get("score_decay") if drafting else None,  # the value used (generate's default too)
+            # the value used (generate's default too), where the algorithm reads verification scores
+            "score_decay": s.get("score_decay") if drafting and _reads_scores(c["algorithm"]) else None,
             **_stat_fields(s),
             "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
             "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),

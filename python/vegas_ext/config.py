@@ -376,8 +376,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     _opt("selection_refresh_interval", 1, "int", 1, INT64_MAX, cli="--refresh-interval",
          doc="re-select the draft blocks every n iterations"),
     _opt("score_decay", 0.8, "float", 0.0, 1.0, cli="--score-decay",
-         doc="vegas: block scores = score_decay x the earlier ones + the last verification's, so blocks that "
-             "recent verifications attended to stay selected; 0: the last verification's alone (the paper's)"),
+         doc="vegas (any strategy reading verification scores): block scores = score_decay x those stored "
+             "before + the last verification's (a sum over its queries), so blocks that recent verifications "
+             "attended to stay selected; 0: the last verification's alone (the paper's)"),
     _opt("draft_granularity", "page", "choice", choices=DRAFT_GRANULARITIES, vllm="draft_granularity",
          doors=("vllm",), doc="vLLM: drafts attend to whole selected pages or to selected tokens (the loop's "
                               "block_size=1)"),

@@ -5,7 +5,8 @@ iteration (the method: ``docs/method.md``), each phase a short function over one
 :class:`DecodeState`:
 
 1. :func:`select` -- the next draft's KV blocks (:mod:`vegas_ext.selection`; for ``"vegas"`` the
-   top-k blocks by the last verification's scores, sinks first), only when the iteration drafts;
+   top-k blocks by the block scores of recent verifications, sinks first), only when the
+   iteration drafts;
 2. :func:`draft` -- ``gamma`` tokens with the model itself, each layer attending only to the
    selected blocks plus the *tail* (every token since the start of the last verification window):
    :func:`vegas_ext.ops.sparse_draft_attention`;
@@ -467,7 +468,8 @@ def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tens
            num_drafts: Optional[Tensor] = None):
     """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``; row ``b``
     verifies its first ``num_drafts[b]`` drafts (default all)."""
-    logits = state.process(logits, drafts, None if num_drafts is None else num_drafts + 1)
+    counts = None if num_drafts is None else torch.where(state.done, 0, num_drafts + 1)  # finished: unread
+    logits = state.process(logits, drafts, counts)
     cfg = state.settings
     if cfg.do_sample:
         return speculative_accept(drafts, q, probs(logits, cfg.warpers), cfg.generator, num_drafts)

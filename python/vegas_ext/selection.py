@@ -72,8 +72,9 @@ class SelectionContext:
     """What a strategy sees after a verification.
 
     Attributes:
-        block_scores: ``[L, B, H_kv, N]`` float32 verification scores (``None`` if the strategy does
-            not ask for them).
+        block_scores: ``[L, B, H_kv, N]`` float32 verification scores, the last verification's
+            plus ``score_decay`` times those stored before it (``None`` if the strategy does not
+            ask for them).
         lengths: ``[B]`` int32 committed context length per row (budget base).
         tail_start: ``[B]`` int32 start of the next draft tail (the last verification window).
         cache: the :class:`VegasCache`.
@@ -191,8 +192,9 @@ class VegasSelection(SelectionStrategy):
     :func:`vegas_ext.ops.block_topk` call (layers stacked into the batch dimension). With
     ``refresh_interval = n > 1`` the blocks are re-selected only every ``n`` iterations and kept in
     between (SparseSpec's stride, arXiv 2512.01278 "PillarAttn"). The scores it ranks carry
-    ``score_decay`` times the earlier verifications' (stored by the attention, not here), as
-    SparseSpec-L ranks by its last verification queries (arXiv 2607.27735)."""
+    ``score_decay`` times the earlier verifications' (stored by the attention, not here), so
+    more than one verification's queries rank the blocks, as SparseSpec-L ranks by its last 16
+    (arXiv 2607.27735)."""
 
     needs_verify_scores = True
     # 1, token granularity: highest acceptance in bench/results/variants_xeon_avx512
