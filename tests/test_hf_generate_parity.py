@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from vegas_ext import hf
 
@@ -111,6 +111,29 @@ def test_prefix_allowed_tokens_fn_sees_only_real_row_prefixes(llama, prompts):
     assert out.stats["num_draft_tokens"] > 0 and out.stats["num_accepted_tokens"] > 0
     # the grammar decides: the unconstrained continuation differs
     assert not torch.equal(want, _generate(llama, False, input_ids=ids, attention_mask=mask, max_new_tokens=24))
+
+
+class _LongestPrefix(LogitsProcessor):
+    """Passes the scores through; records the longest ``input_ids`` it was shown."""
+
+    longest = 0
+
+    def __call__(self, input_ids, scores):
+        self.longest = max(self.longest, input_ids.shape[1])
+        return scores
+
+
+def test_processor_never_sees_past_max_new_tokens(llama, prompts):
+    """Rows that may draft fewer tokens than others (near ``max_new_tokens``) are not shown to a
+    processor past their own drafts: plain decoding never shows a prefix longer than the prompt
+    plus ``max_new_tokens``."""
+    ids, mask = prompts
+    seen = _LongestPrefix()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, logits_processor=LogitsProcessorList([seen]))
+    want, out = _both(llama, **kw)
+    assert torch.equal(out.sequences, want), first_diff(out.sequences, want)
+    assert out.stats["num_draft_tokens"] > 0
+    assert seen.longest <= ids.shape[1] + 24 - 1, seen.longest
 
 
 class _RealPrefixes(StoppingCriteria):
