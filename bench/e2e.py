@@ -497,6 +497,11 @@ def setup(args: argparse.Namespace, argv=None) -> Harness:
     name = args.name or datetime.datetime.now().strftime("e2e-%Y%m%d-%H%M%S")
     out_dir = args.out or os.path.join(ROOT, "bench", "results", name)
     os.makedirs(out_dir, exist_ok=True)
+    # runs.jsonl starts afresh below: an earlier invocation's summary must not outlive its runs
+    # when this one stops before writing its own
+    stale = os.path.join(out_dir, "summary.md")
+    if os.path.exists(stale):
+        os.remove(stale)
 
     t0 = time.perf_counter()
     model, tok = models.load_model(args.model, dtype=dtype, device=device)

@@ -10,7 +10,7 @@
   table; the plots;
 * ``gamma RUNS.jsonl ... [--out DIR]``: ``num_speculative_tokens="auto"`` against ``full`` and
   fixed γ per (document, context, batch) and per (context, batch), the γ ``auto`` chose, and
-  whether the targets hold (``auto >= 0.97 x full``; ``auto >= 0.95 x best fixed``), and ``auto``
+  whether the targets hold (``auto >= 0.98 x full``; ``auto >= 0.97 x best fixed``), and ``auto``
   over the best fixed γ chosen on the other repeats (:func:`held_out_ratio`);
 * ``figure [RUNS.jsonl ...] [--out PNG]``: the README's picture, mean acceptance length of vegas /
   quest / streamingllm against the KV budget, one panel per γ (default: the committed grid).
@@ -36,8 +36,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from bench.common import RESULTS, fmt, gmean, load_runs, median
 
 RIVALS = ("vegas", "quest", "streamingllm")
-FULL_TARGET = 0.97  # auto >= 0.97 x full
-BEST_TARGET = 0.95  # auto >= 0.95 x the best fixed gamma
+FULL_TARGET = 0.98  # auto >= 0.98 x full (issue 48: 2K never below 0.98x)
+BEST_TARGET = 0.97  # auto >= 0.97 x the best fixed gamma (issue 48)
 GRID_DIR = RESULTS / "acceptance_grid_xeon_avx512"
 
 __all__ = ["load_runs", "pooled_mal", "grid_markdown", "gamma_markdown", "main"]
@@ -345,18 +345,19 @@ def gamma_markdown(records: List[Dict[str, Any]]) -> str:
         "EOS ignored; vegas ratio 0.05, min 256 tokens, block size 1; auto: max_speculative_tokens "
         "8. Speedup = decode tok/s / decode tok/s of `full` in the same repeat (median over repeats).", "",
         "| doc | ctx | B | full tok/s | auto | " + " | ".join(f"γ {g}" for g in gammas)
-        + " | best fixed | auto / best | auto / best, held out | auto γ histogram (0..8) | auto MAL | ≥0.97 full | "
-        "≥0.95 best | identical |",
+        + " | best fixed | auto / best | auto / best, held out | auto γ histogram (0..8) | auto MAL | "
+        f"≥{FULL_TARGET} full | ≥{BEST_TARGET} best | identical |",
         "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in gammas)
         + " | --- | ---: | ---: | --- | ---: | --- | --- | --- |",
     ]
-    per_ctx = defaultdict(lambda: defaultdict(list))
+    per_ctx = defaultdict(lambda: defaultdict(list))  # (ctx, B) -> configuration -> speedups
+    held_outs = defaultdict(list)  # (ctx, B) -> the documents' held-out ratios
     for (doc, ctx, B), c in cells.items():
         held_out = held_out_ratio(c)
         lines.append(_gamma_doc_row(doc, ctx, B, c, gammas, held_out))
         for g, v in c.items():
             per_ctx[(ctx, B)][g].append(v["speedup"])
-        per_ctx[(ctx, B)]["held_out"].append(held_out)
+        held_outs[(ctx, B)].append(held_out)
     lines += ["", "Medians over documents:", "",
               "| ctx | B | auto | " + " | ".join(f"γ {g}" for g in gammas)
               + " | best fixed | auto / best | auto / best, held out (median of the documents') |",
@@ -367,7 +368,7 @@ def gamma_markdown(records: List[Dict[str, Any]]) -> str:
         a = median(by_g.get("auto", []))
         lines.append(f"| {ctx} | {B} | **{fmt(a)}** | " + " | ".join(fmt(fixed.get(g)) for g in gammas)
                      + f" | γ {best_g} | {fmt(a / fixed[best_g] if a and best_g is not None else None)} | "
-                     f"{fmt(median(by_g['held_out']))} |")
+                     f"{fmt(median(held_outs[(ctx, B)]))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -245,6 +245,26 @@ def test_e2e_rerun_into_a_folder_replaces_its_runs(tiny_doc_model_dir, tmp_path)
     assert [r["repeat"] for r in recs] == [0]
 
 
+def test_e2e_interrupted_rerun_leaves_no_earlier_summary(tiny_doc_model_dir, tmp_path, monkeypatch):
+    """A rerun into a folder that stops before its report (Ctrl-C, a crash) must not leave the
+    earlier invocation's summary.md beside its own, restarted runs.jsonl."""
+    out = tmp_path / "res"
+    argv = ["--model", tiny_doc_model_dir, "--docs", "pride_and_prejudice", "--context-lengths", "200",
+            "--batch-sizes", "1", "--algorithms", "full", "--max-new-tokens", "2", "--repeats", "1",
+            "--out", str(out), "--threads", "1", "--no-plots"]
+    assert e2e.main(argv) == 0
+    assert (out / "summary.md").exists()
+
+    def interrupted(h, cfgs):
+        open(h.runs_path, "w").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(e2e, "run_cells", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main(argv)
+    assert not (out / "summary.md").exists()
+
+
 def test_e2e_run_records_compare_each_run_with_the_same_repeats_baselines():
     """run_records (one repeat of a cell) on made-up results: the identity flags and speedups against
     that repeat's ``full`` and ``hf`` runs, the gamma policy's fields (cost_* as fitted_*) only on

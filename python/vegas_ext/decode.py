@@ -239,8 +239,6 @@ class DecodeState:
         a0 = ahead.shape[1] - Q + 1
         for i in range(Q):
             mask = None if counts is None else counts > i
-            if mask is not None and not bool(mask.any()):
-                continue
             for sel, pos, ids in self.prefixes(ahead[:, : a0 + i], mask):
                 full = out.new_zeros((ids.shape[0], V))
                 full[pos] = out[sel, i]
