@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from bench.common import add_pack_linears_flag, pack_linears
+from bench.common import add_pack_linears_flag, pack_linears, row_gamma_kwargs
 from bench.e2e import build_batch
 from vegas_ext import decode, generate, speculation
 from vegas_ext.models import load_model
@@ -41,7 +41,7 @@ def _auto_with(kwargs: dict):
 
     def make(cap, gamma_policy, **kw):
         if gamma_policy == "auto" and cap > 0 and not kw.get("per_request"):
-            return speculation.RowGamma(cap, **_policy_kwargs(kwargs))
+            return speculation.RowGamma(cap, **row_gamma_kwargs(kwargs))
         return original(cap, gamma_policy, **kw)
 
     decode.make_gamma_policy = make
@@ -49,16 +49,6 @@ def _auto_with(kwargs: dict):
         yield
     finally:
         decode.make_gamma_policy = original
-
-
-def _policy_kwargs(variant: dict) -> dict:
-    """RowGamma keyword arguments from a variant's JSON object (``costs``: TokenCostModel's)."""
-    kw = dict(variant)
-    if "costs" in kw:
-        if "window" in kw["costs"]:
-            raise ValueError("window is a RowGamma setting: give it beside costs, not inside")
-        kw["costs"] = speculation.TokenCostModel(kw.get("window", 5), **kw["costs"])
-    return kw
 
 
 def parse_args(argv=None):
@@ -81,10 +71,8 @@ def parse_args(argv=None):
         if isinstance(v, dict):
             if "cost_ema" in v:  # RowGamma ignores it
                 ap.error(f"--variants: {name!r}: cost_ema cannot be varied here")
-            if not isinstance(v.get("costs", {}), dict):
-                ap.error(f"--variants: {name!r}: costs must be an object of TokenCostModel keyword arguments")
             try:
-                speculation.RowGamma(8, **_policy_kwargs(v))
+                speculation.RowGamma(8, **row_gamma_kwargs(v))
             except (TypeError, ValueError, OverflowError) as e:
                 ap.error(f"--variants: {name!r}: {e}")
         elif not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -168,6 +168,21 @@ def pack_linears(model, enabled: bool) -> int:
 
 # ---------------------------------------------------------------------------------------- files
 
+def row_gamma_kwargs(variant: dict) -> dict:
+    """``RowGamma`` keyword arguments from a variant's JSON object, whose ``costs`` (an object) are
+    ``TokenCostModel``'s (built here, with the variant's ``window``)."""
+    from vegas_ext.speculation import TokenCostModel
+
+    kw = dict(variant)
+    if "costs" in kw:
+        if not isinstance(kw["costs"], dict):
+            raise ValueError("costs must be an object of TokenCostModel keyword arguments")
+        if "window" in kw["costs"]:
+            raise ValueError("window is a RowGamma setting: give it beside costs, not inside")
+        kw["costs"] = TokenCostModel(kw.get("window", 5), **kw["costs"])
+    return kw
+
+
 def write_rows(path: Path, rows: list) -> None:
     """One JSON object per line into ``path`` (parent folders created)."""
     path = Path(path)

@@ -29,7 +29,7 @@ finished rows stay in the batch with no tokens, and a first forward at each toke
         --acceptance 0.7 0.8 0.9 0.95 --seeds 96 --variants '[{"prior_weight": 4}]'
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
-(cache effects between phases, a machine that changes speed; the plain step that scores the
+(cache effects between phases, a machine that changes speed unless ``--drift`` models one; the plain step that scores the
 KV blocks before drafting is charged the verification line at q = 1, at least a plain step;
 with ``--verify-model measured`` exactly a plain step, its scoring overhead not measured),
 and by default it prices verification
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -52,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bench.common import load_runs
+from bench.common import load_runs, row_gamma_kwargs
 from vegas_ext.speculation import AutoGamma, FixedGamma, IterationCosts, RowGamma, make_gamma_policy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -238,15 +239,23 @@ def load_cost_tables(path: str, context: Optional[int], draft_key: str) -> Dict[
 class _RowsReplay:
     """The state of one :func:`simulate_rows` run: rows' progress, the clock and the noise."""
 
-    def __init__(self, policy, p_rows, table: CostTable, n_new, noise, seed, first_call):
+    def __init__(self, policy, p_rows, table: CostTable, n_new, noise, seed, first_call, drift=0.0,
+                 drift_period=1000.0):
         self.policy, self.p_rows, self.table, self.n_new = policy, p_rows, table, n_new
         self.noise, self.first_call, self.rng = noise, first_call, random.Random(seed)
+        # the machine's speed: its own generator, so every policy of a seed meets the same phases in time
+        self.drift, self.drift_period, self.drift_rng = drift, drift_period, random.Random(f"drift {seed}")
+        self.speed, self.phase_end = 1.0, 0.0
         self.B = len(p_rows)
         self.n = [0] * self.B
         self.elapsed, self.seen = 0.0, set()
 
     def jitter(self) -> float:
-        return max(0.2, 1.0 + self.rng.gauss(0.0, self.noise))
+        """A timing's factor: the current phase's speed times Gaussian noise."""
+        while self.drift and self.elapsed >= self.phase_end:
+            self.phase_end += self.drift_rng.expovariate(1.0 / self.drift_period)
+            self.speed = math.exp(self.drift_rng.gauss(0.0, self.drift))
+        return self.speed * max(0.2, 1.0 + self.rng.gauss(0.0, self.noise))
 
     def verify(self, tokens: int, scored: bool) -> float:
         """ms of a verification of ``tokens`` tokens over the active rows (an unscored one of ``B``
@@ -297,15 +306,18 @@ class _RowsReplay:
                                       torch.tensor(drafted), torch.tensor(accepted))
 
 
-def simulate_rows(policy, p_rows, table: CostTable, n_new, noise, seed, first_call=0.0):
+def simulate_rows(policy, p_rows, table: CostTable, n_new, noise, seed, first_call=0.0, drift=0.0,
+                  drift_period=1000.0):
     """Decode ``len(p_rows)`` rows to ``n_new`` tokens each as our loop does with drafts per row
     (``policy.choose_rows``; finished rows stay in the batch with no tokens, draft steps draft the
     rows that still draft), row ``b`` accepting each draft with probability ``p_rows[b]`` given the
     ones before it; timings from ``table`` times Gaussian noise (relative std ``noise``), the first
     forward at each token count ``1 + first_call`` times dearer (a new shape; the prefill's last
-    forward, ``cap + 1`` tokens per row, is the first at its count and is not counted in the time).
-    Returns tokens per ms."""
-    run = _RowsReplay(policy, p_rows, table, n_new, noise, seed, first_call)
+    forward, ``cap + 1`` tokens per row, is the first at its count and is not counted in the time);
+    with ``drift``, the machine's speed changes in phases (lengths exponential with mean
+    ``drift_period`` ms of replayed time, each multiplying every timing by ``exp(N(0, drift))``),
+    the same phases for every policy of a seed. Returns tokens per ms."""
+    run = _RowsReplay(policy, p_rows, table, n_new, noise, seed, first_call, drift, drift_period)
     B = run.B
     n0 = B * (policy.max_gamma + 1)
     t0 = run.verify(n0, True)
@@ -330,10 +342,11 @@ def main_rows(args: argparse.Namespace) -> None:
     cap = args.max_speculative_tokens
     policies = {"full": lambda: FixedGamma(0), "auto": lambda: make_gamma_policy(cap, "auto")}
     for i, v in enumerate(args.variants or []):
-        policies[f"variant {i}"] = (lambda v=v: RowGamma(cap, **v))
+        policies[f"variant {i}"] = (lambda v=v: RowGamma(cap, **row_gamma_kwargs(v)))
     policies.update({f"gamma {g}": (lambda g=g: FixedGamma(g)) for g in args.fixed})
     names = [k for k in policies if k.startswith("auto") or k.startswith("variant")]
     print(f"# {args.costs}: {args.new_tokens} new tokens, noise {args.noise}, first call +{args.first_call}, "
+          f"drift {args.drift} per {args.drift_period:g} ms, "
           f"{args.seeds} seeds, cap {cap}, acceptance spread between rows {args.row_spread}")
     for i, v in enumerate(args.variants or []):
         print(f"# variant {i}: {json.dumps(v)}")
@@ -345,7 +358,8 @@ def main_rows(args: argparse.Namespace) -> None:
             p_rows = [p] if B == 1 else [min(1.0, max(0.0, p + args.row_spread * (2 * b / (B - 1) - 1)))
                                          for b in range(B)]
             rate = {k: statistics.mean(simulate_rows(mk(), p_rows, table, args.new_tokens, args.noise, s,
-                                                     args.first_call) for s in range(args.seeds))
+                                                     args.first_call, args.drift, args.drift_period)
+                                       for s in range(args.seeds))
                     for k, mk in policies.items()}
             fixed = {k: v for k, v in rate.items() if k.startswith("gamma")}
             best = max(fixed, key=fixed.get)
@@ -370,6 +384,8 @@ def _check_numbers(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     bad("noise", 0.0 <= args.noise < 1.0)
     bad("first-call", 0.0 <= args.first_call < 10.0)
     bad("row-spread", 0.0 <= args.row_spread <= 1.0)
+    bad("drift", 0.0 <= args.drift < 2.0)
+    bad("drift-period", args.drift_period > 0.0)
     bad("acceptance", all(0.0 <= p <= 1.0 for p in args.acceptance))
     bad("fixed", all(1 <= g <= args.max_speculative_tokens for g in args.fixed))
 
@@ -398,6 +414,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-key", default="draft_step_int8_ms", help="with --costs: the draft step's field")
     ap.add_argument("--first-call", type=float, default=0.15,
                     help="with --costs: a first forward at a token count costs this much more (a new shape)")
+    ap.add_argument("--drift", type=float, default=0.0,
+                    help="with --costs: the machine's speed changes in phases, each multiplying every timing "
+                         "by exp(N(0, drift)) (a VM whose speed moves within a run)")
+    ap.add_argument("--drift-period", type=float, default=1000.0,
+                    help="with --drift: mean length of a phase in ms of replayed time")
     ap.add_argument("--row-spread", type=float, default=0.0,
                     help="with --costs: rows' acceptance spread evenly over p +- this (batch 1: p)")
     ap.add_argument("--variants", type=json.loads, default=None, metavar="JSON",
@@ -423,7 +444,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error("--variants: RowGamma does not use cost_ema")
         for v in args.variants:
             try:
-                RowGamma(args.max_speculative_tokens, **v)
+                RowGamma(args.max_speculative_tokens, **row_gamma_kwargs(v))
             except (TypeError, ValueError) as e:
                 ap.error(f"--variants: {e}")
     if args.variant is not None:

@@ -372,6 +372,10 @@ def test_gamma_policy_sim_replays_drafts_per_row_on_measured_costs(tmp_path):
     assert sim.simulate_rows(FixedGamma(0), [1.0], table, 10, 0.0, 0) == pytest.approx(1 / 10.0)
     # gamma 3, every draft accepted: 4 tokens per 3 draft steps + a verification of 4 + a selection
     assert sim.simulate_rows(FixedGamma(3), [1.0], table, 12, 0.0, 0) == pytest.approx(4 / (6.0 + 14.0 + 1.0))
+    # a machine whose speed drifts: every timing of a phase scaled alike, the same phases for every policy of a seed
+    slow = [sim.simulate_rows(FixedGamma(0), [1.0], table, 200, 0.0, s, drift=0.3, drift_period=50.0) for s in (0, 0)]
+    assert slow[0] == slow[1] and slow[0] != pytest.approx(1 / 10.0, rel=1e-3)
+    assert 0.5 / 10.0 < slow[0] < 2.0 / 10.0
     r = subprocess.run([sys.executable, "-m", "bench.gamma_policy_sim", "--costs", str(out), "--seeds", "2",
                         "--new-tokens", "12", "--acceptance", "0.5", "0.9", "--fixed", "1", "2",
                         "--draft-key", "draft_step_ms",

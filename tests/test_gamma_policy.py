@@ -512,9 +512,10 @@ def test_ab_gamma_policy_checks_cost_model_variants(capsys):
     """A variant's ``costs`` builds the TokenCostModel; a bad setting there is an argparse error
     naming it (``max_batch_sizes: "x"`` used to pass and fail after the model loaded)."""
     from bench import ab_gamma_policy
+    from bench.common import row_gamma_kwargs
 
     a = ab_gamma_policy.parse_args(["--variants", '{"old": {"costs": {"provisional_first": false}}}'])
-    assert ab_gamma_policy._policy_kwargs(a.variants["old"])["costs"].provisional_first is False
+    assert row_gamma_kwargs(a.variants["old"])["costs"].provisional_first is False
     bad = (('{"max_batch_sizes": "x"}', "max_batch_sizes must be"), ('{"max_batch_sizes": -1}', "max_batch_sizes"),
            ('{"provisional_first": "no"}', "provisional_first must be"), ('{"window": 3}', "beside costs"),
            ("[]", "costs must be an object"))
