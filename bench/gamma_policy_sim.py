@@ -29,8 +29,8 @@ finished rows stay in the batch with no tokens, and a first forward at each toke
         --acceptance 0.7 0.8 0.9 0.95 --seeds 96 --variants '[{"prior_weight": 4}]'
 
 This is a model of the loop, not a measurement: it omits everything the costs do not capture
-(cache effects between phases, a machine that changes speed unless ``--drift`` models one; the plain step that scores the
-KV blocks before drafting is charged the verification line at q = 1, at least a plain step;
+(cache effects between phases, a machine that changes speed unless ``--drift`` models one; the
+plain step that scores the KV blocks before drafting is charged the verification line at q = 1, at least a plain step;
 with ``--verify-model measured`` exactly a plain step, its scoring overhead not measured),
 and by default it prices verification
 with one line per cell, which smooths out the step-shaped verify cost of the real loop (query
