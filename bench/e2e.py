@@ -43,6 +43,7 @@ import torch
 from bench.common import add_pack_linears_flag, fmt as _f, git_commit, median as _med, pack_linears, sync
 from vegas_ext import documents, models
 from vegas_ext.config import OPTIONS as _OPTIONS  # the harness's defaults are generate's
+from vegas_ext.decode import SELECTION_ALGORITHMS  # every algorithm, streamingllm and quest included
 
 _DW_DEFAULT = str(_OPTIONS["draft_weights"].default).lower()
 _MIN_TOKENS = _OPTIONS["sparse_attn_min_tokens"].default
@@ -339,9 +340,6 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(str(e))
     if args.max_new_tokens < 1 or args.repeats < 1 or min(args.batch_sizes) < 1 or min(args.context_lengths) < 8:
         ap.error("--max-new-tokens, --repeats, --batch-sizes must be >= 1 and contexts >= 8")
-    from vegas_ext import selection  # noqa: F401  (registers streamingllm and quest)
-    from vegas_ext.decode import SELECTION_ALGORITHMS
-
     for a in args.algorithms:
         if a in ("hf", "full"):
             continue
@@ -393,9 +391,6 @@ def configurations(args) -> List[Dict[str, Any]]:
     """Algorithm configurations of one cell, in run order: baselines first, then for every
     (gamma, ratio, block size) the algorithms one after another, so that the runs compared with
     each other are adjacent in time and a burst of machine noise hits them alike."""
-    from vegas_ext import selection  # noqa: F401  (registers streamingllm and quest)
-    from vegas_ext.decode import SELECTION_ALGORITHMS
-
     cfgs = []
     none = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
             "selection_refresh_interval": None, "score_decay": None}
@@ -428,8 +423,6 @@ def configurations(args) -> List[Dict[str, Any]]:
 
 
 def _reads_scores(algorithm: str) -> bool:
-    from vegas_ext.decode import SELECTION_ALGORITHMS
-
     return bool(SELECTION_ALGORITHMS[algorithm].needs_verify_scores)
 
 

@@ -428,7 +428,7 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True, num_drafts: O
     st.mode = "verify"
     ids = torch.cat([state.last_tok[:, None], drafts], 1)
     max_pos = state.settings.max_pos
-    q_lens = None if num_drafts is None else torch.where(state.done, 0, num_drafts + 1)
+    q_lens = _verified_counts(state, num_drafts)
     if q_lens is not None and (state.settings.compiled is not None or bool((q_lens == g + 1).all())):
         q_lens = None  # compiled steps: one shape per (rows, tokens), rows past their drafts are not read
     state.selected = False
@@ -462,12 +462,17 @@ def verify(state: DecodeState, drafts: Tensor, score: bool = True, num_drafts: O
     return logits, tokens
 
 
+def _verified_counts(state: DecodeState, num_drafts: Optional[Tensor]) -> Optional[Tensor]:
+    """``[B]`` int64: the tokens each row verifies (its last and its drafts; finished rows none), or
+    ``None`` where every row verifies all drafts (``num_drafts`` None)."""
+    return None if num_drafts is None else torch.where(state.done, 0, num_drafts + 1)
+
+
 def accept(state: DecodeState, drafts: Tensor, q: Optional[Tensor], logits: Tensor,
            num_drafts: Optional[Tensor] = None):
     """The acceptance rule: ``(a [B] accepted drafts, t [B] the target's next token)``; row ``b``
     verifies its first ``num_drafts[b]`` drafts (default all)."""
-    counts = None if num_drafts is None else torch.where(state.done, 0, num_drafts + 1)  # finished: unread
-    logits = state.process(logits, drafts, counts)
+    logits = state.process(logits, drafts, _verified_counts(state, num_drafts))
     cfg = state.settings
     if cfg.do_sample:
         return speculative_accept(drafts, q, probs(logits, cfg.warpers), cfg.generator, num_drafts)
