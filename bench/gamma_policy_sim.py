@@ -428,6 +428,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          'e.g. \'{"max_probe_interval": 16}\'')
     args = ap.parse_args(argv)
     _check_numbers(ap, args)
+    _check_policies(ap, args)
+    return args
+
+
+def _check_policies(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for ``--variant`` / ``--variants`` given to the wrong mode or with keywords the
+    policy refuses, and for an unreadable ``--costs`` file (read into ``args.tables``), before the
+    replay."""
     if args.costs is not None:
         if args.variant is not None:
             ap.error("--variant is for --runs (AutoGamma); with --costs give --variants (RowGamma)")
@@ -452,7 +460,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             AutoGamma(args.max_speculative_tokens, **args.variant)
         except (TypeError, ValueError) as e:
             ap.error(f"--variant: {e}")
-    return args
 
 
 def make_policies(args: argparse.Namespace) -> dict:
