@@ -73,11 +73,13 @@ def test_lean_draft_computes_the_models_draft(family, kind):
         got = lean(ids, pos, st)
         got_kv = _snapshot(cache, 2)
     assert got.shape == want.shape == (2, 1, model.config.vocab_size)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # int8: the kernel rounds x to int16 steps of max|x| / 32767 per group, so an ulp of difference
+    # upstream (the lean RMSNorm) can move one input by a step
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 if kind == "int8" else 1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
-        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-4 if kind == "int8" else 1e-6)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-4 if kind == "int8" else 1e-6)
 
 
 @pytest.mark.parametrize("kind", [None, "int8"], ids=["fp32", "int8"])
@@ -132,22 +134,27 @@ def test_models_it_does_not_reproduce_draft_through_their_forward():
 
 
 def test_fused_copies_are_views_and_follow_edits():
-    model = make_model("qwen2", seed=8)  # q/k/v with biases
+    # q/k/v with biases; packed int8 fuses whole 16-row blocks only: heads of 16 (q 64, k / v 32 rows)
+    model = make_model("qwen2", seed=8, num_attention_heads=4)
+    odd = make_model("qwen2")  # heads of 10: k / v of 20 rows stay apart
+    oa = odd.model.layers[0].self_attn
+    assert draft_weights_for(odd, "int8").fused((oa.q_proj, oa.k_proj, oa.v_proj)) is None
+    assert draft_weights_for(odd, "int8").fused((odd.model.layers[0].mlp.gate_proj, odd.model.layers[0].mlp.up_proj))
     dw = draft_weights_for(model, "int8")
     a = model.model.layers[0].self_attn
     f = dw.fused((a.q_proj, a.k_proj, a.v_proj))
     assert f is not None and f.bias is not None
     cq = dw._copies[id(a.q_proj)]
     assert cq.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()
-    assert f.weight.shape[0] == a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
+    assert f.weight.shape[0] * 16 == a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
     nbytes = dw.nbytes
     with torch.no_grad():
         a.k_proj.weight.mul_(2.0)
     dw = draft_weights_for(model, "int8")  # generate's refresh
     f2 = dw.fused((a.q_proj, a.k_proj, a.v_proj))
     assert f2 is not None and f2 is not f and dw.nbytes == nbytes
-    k0 = a.q_proj.out_features
-    torch.testing.assert_close(f2.weight[k0:k0 + a.k_proj.out_features], dw._copies[id(a.k_proj)].weight)
+    k0 = a.q_proj.out_features // 16
+    torch.testing.assert_close(f2.weight[k0:k0 + a.k_proj.out_features // 16], dw._copies[id(a.k_proj)].weight)
     ids, mask = make_prompts(model.config.vocab_size, [40], seed=9)
     out = vegas_ext.generate(model, ids, mask, max_new_tokens=16, eos_token_id=[], draft_weights="int8", **KW)
     assert torch.equal(out.sequences, hf_greedy(model, ids, mask, 16, eos_token_id=[]))

@@ -37,7 +37,8 @@ def test_greedy_equals_plain_greedy(family, kind):
         assert s["draft_weights_bytes"] == 2 * n_w and s["draft_weights_format"] == "fp16"
     else:
         n_s = sum(-(-m.in_features // 64) * m.out_features for m in _linears(model))
-        assert s["draft_weights_bytes"] == n_w + 4 * n_s  # int8 + fp32 scales; fp32 biases are shared
+        n_q = sum(-(-m.out_features // 16) * 16 * -(-m.in_features // 2) * 2 for m in _linears(model))
+        assert s["draft_weights_bytes"] == n_q + 4 * n_s  # packed int8 (16-row blocks) + fp32 scales; biases shared
         assert s["draft_weights_format"] == "int8-g64"
     # the wrappers are gone after the call
     assert all("forward" not in m.__dict__ for m in _linears(model))

@@ -2,7 +2,8 @@
 // vectors as SSE pairs), AVX2+FMA (8 floats, 16 registers) and AVX-512 (16 floats, 32
 // registers) -- and picks one at run time, so a wheel built anywhere runs everywhere and
 // still uses the widest FMA the processor has. VEGAS_CPU_ISA=base|avx2|avx512 (read
-// once) forces a narrower path, e.g. to test it; a path the processor lacks is never used.
+// once; avx512: without VNNI) forces a narrower path, e.g. to test it; a path the
+// processor lacks is never used.
 #pragma once
 
 #include "cpu/parallel.h"
@@ -93,6 +94,21 @@ inline const char* cpu_isa_name() {
     case Isa::avx2: return "avx2";
     default: return "base";
   }
+}
+
+// Whether the AVX-512 path may also use VNNI (vpdpwssd: weight_only_linear's packed int8 weights);
+// VEGAS_CPU_ISA=avx512 keeps AVX-512 without it.
+inline bool cpu_avx512_vnni() {
+  static const bool vnni = [] {
+#ifdef VEGAS_HAVE_X86_PATHS
+    const char* env = std::getenv("VEGAS_CPU_ISA");
+    return cpu_isa() == Isa::avx512 && __builtin_cpu_supports("avx512vnni") &&
+           !(env && std::strcmp(env, "avx512") == 0);
+#else
+    return false;
+#endif
+  }();
+  return vnni;
 }
 
 // Calls fn(args...) from the chosen ISA namespace.

@@ -34,6 +34,16 @@
 #undef VEGAS_WOL_VW
 #undef VEGAS_ISA
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")
+#define VEGAS_ISA isa_avx512vnni
+#define VEGAS_WOL_VW 16
+#define VEGAS_WOL_VNNI 1
+#include "cpu/weight_only_linear_tile.h"
+#undef VEGAS_WOL_VNNI
+#undef VEGAS_WOL_VW
+#undef VEGAS_ISA
+#pragma GCC pop_options
 #endif
 
 namespace vegas {
@@ -44,12 +54,61 @@ namespace {
 // k/v projection) stays on the calling thread, where a fork/join would cost more than it saves.
 constexpr int64_t kTaskWeightBytes = int64_t(1) << 18;
 
+// The packed int8 layout [ceil(N/16), ceil(K/2), 16, 2]: N from the scales, x rounded to int16
+// per (row, group) once, then threads split the 16-row blocks.
+at::Tensor packed_int8_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& bias,
+                              int64_t group_size) {
+  const int64_t K = x.size(-1);
+  const int64_t N = scales->size(0), Kh = (K + 1) / 2, nb = ceil_div(N, int64_t(16));
+  TORCH_CHECK(weight.size(0) == nb && weight.size(1) == Kh && weight.size(2) == 16 && weight.size(3) == 2, op,
+              ": a packed int8 weight must have shape [ceil(N / 16), ceil(K / 2), 16, 2] = [", nb, ", ", Kh,
+              ", 16, 2] (N = scales.size(0), K = x.size(-1)), got ", weight.sizes());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  if (M == 0 || N == 0) return y;
+  const int64_t ng = ceil_div(K, group_size);
+  const at::Tensor xc = x.contiguous();
+  thread_local std::vector<int16_t> xq;  // the calling thread's; kept: ~200 calls per draft step
+  thread_local std::vector<float> xs;
+  xq.resize(M * 2 * Kh);
+  xs.resize(M * ng);
+  const float* xp = xc.data_ptr<float>();
+  int16_t* qp = xq.data();
+  float* sp = xs.data();
+  VEGAS_ISA_CALL(wol::quantize_rows_i16, xp, M, K, group_size, qp, sp);
+  const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  const float* scp = scales->data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(2, (kTaskWeightBytes / std::max<int64_t>(1, 32 * Kh) + 1) / 2 * 2);
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+#ifdef VEGAS_HAVE_X86_PATHS
+    if (cpu_avx512_vnni())
+      return isa_avx512vnni::wol::packed_int8_blocks(qp, sp, M, K, wp, scp, ng, group_size, bp, yp, N, b0, b1);
+#endif
+    VEGAS_ISA_CALL(wol::packed_int8_blocks, qp, sp, M, K, wp, scp, ng, group_size, bp, yp, N, b0, b1);
+  });
+  return y;
+}
+
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& scales,
                                   const std::optional<at::Tensor>& bias, int64_t group_size) {
   const char* op = "vegas::weight_only_linear";
-  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [N, K], got shape ", weight.sizes());
-  const int64_t N = weight.size(0), K = weight.size(1);
+  const bool packed = weight.dim() == 4;
+  TORCH_CHECK(weight.dim() == 2 || packed, op,
+              ": weight must be 2-D [N, K] or packed int8 [ceil(N / 16), ceil(K / 2), 16, 2], got shape ",
+              weight.sizes());
+  TORCH_CHECK(!packed || weight.scalar_type() == at::kChar, op, ": a packed (4-D) weight must be int8, got ",
+              weight.scalar_type());
+  TORCH_CHECK(!packed || (scales.has_value() && scales->dim() == 2), op,
+              ": a packed int8 weight needs scales [N, ceil(K / group_size)] float32 (N: the output size)");
+  const int64_t N = packed ? scales->size(0) : weight.size(0);
+  const int64_t K = packed ? (x.dim() >= 1 ? x.size(-1) : 0) : weight.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, op, ": x must have shape [..., K] with K = weight.size(1) = ",
               K, ", got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
@@ -83,6 +142,7 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     check_same_device(op, x, "x", b, "bias");
   }
 
+  if (packed) return packed_int8_linear(op, x, weight, scales, bias, group_size);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());

@@ -58,7 +58,7 @@ from .config import DRAFT_WEIGHTS, check_draft_weights
 from .packed_linear import tensor_key
 
 __all__ = ["DRAFT_WEIGHTS", "INT8_GROUP_SIZE", "FP8_MAX", "DraftWeights", "check_draft_weights", "draft_weights_for",
-           "quantize_int8", "quantize_fp8", "quantize_fp8_rows", "int8_channel_linear", "fp8_linear",
+           "quantize_int8", "pack_int8", "quantize_fp8", "quantize_fp8_rows", "int8_channel_linear", "fp8_linear",
            "fp8_unsupported", "weight_copy", "cached_draft_weights", "own_forward"]
 
 #: Weights per int8 scale along the input dimension (a multiple of 16, the kernel's vector).
@@ -100,6 +100,20 @@ def quantize_int8(weight: Tensor, group_size: int = INT8_GROUP_SIZE) -> Tuple[Te
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = torch.round(wp * inv[..., None]).clamp_(-127, 127).to(torch.int8).view(N, ng * group_size)[:, :K]
     return q.contiguous(), scales.contiguous()
+
+
+def pack_int8(q: Tensor) -> Tensor:
+    """An int8 weight ``q`` ``[N, K]`` in the packed layout of :func:`vegas_ext.ops.weight_only_linear`:
+    ``[ceil(N / 16), ceil(K / 2), 16, 2]`` int8 with element ``[b, j, l, t] = q[16 b + l, 2 j + t]``
+    (zeros past ``N`` and ``K``), contiguous, so that one vector step of the CPU kernel reads the
+    same two columns of 16 rows (the operand layout of AVX-512 VNNI ``vpdpwssd``). Its scales stay
+    ``[N, ceil(K / group_size)]``. ``ValueError`` names ``q`` unless it is a 2-D int8 tensor."""
+    if not isinstance(q, Tensor) or q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"q: expected a 2-D int8 tensor [N, K], got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    N, K = q.shape
+    qp = F.pad(q, (0, K % 2, 0, -N % 16))
+    return qp.view(qp.shape[0] // 16, 16, qp.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def quantize_fp8(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -204,16 +218,17 @@ _FORMATS = {"cpu-fp16": "fp16", "cpu-int8": f"int8-g{INT8_GROUP_SIZE}", "fp16": 
 
 def weight_copy(weight: Tensor, kind: str) -> Tuple[Tensor, Optional[Tensor]]:
     """The CPU draft copy of a linear's ``[N, K]`` weight for :func:`vegas_ext.ops.weight_only_linear`:
-    ``(int8 weight, float32 scales)`` for ``"int8"`` (:func:`quantize_int8`, groups of
-    :data:`INT8_GROUP_SIZE`), ``(float16 weight, None)`` for ``"fp16"``; ``ValueError`` naming
-    ``draft_weights`` for ``"fp8"`` (CUDA only)."""
+    ``(packed int8 weight, float32 scales [N, ceil(K / 64)])`` for ``"int8"`` (:func:`quantize_int8`
+    in groups of :data:`INT8_GROUP_SIZE`, then :func:`pack_int8`), ``(float16 weight [N, K], None)``
+    for ``"fp16"``; ``ValueError`` naming ``draft_weights`` for ``"fp8"`` (CUDA only)."""
     w = weight.detach()
     if kind == "fp8":
         raise ValueError("draft_weights='fp8' needs a CUDA GPU of compute capability >= 8.9 (float8 matmuls "
                          "through torch._scaled_mm); on CPU use 'int8' or 'fp16'")
     if kind == "fp16":
         return w.to(torch.float16).contiguous(), None
-    return quantize_int8(w, INT8_GROUP_SIZE)
+    q, s = quantize_int8(w, INT8_GROUP_SIZE)
+    return pack_int8(q), s
 
 
 def _version_key(t: Optional[Tensor]) -> tuple:
@@ -262,9 +277,10 @@ _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 class _Fused:
     """One matrix holding the copies of sibling linears (rows stacked in member order): ``weight``
-    ``[sum N_i, K]``, ``scales`` (int8) and ``bias`` (``None`` when no member has one), and
-    ``splits`` (the members' ``N_i``). The members' :class:`_Copy` objects are re-pointed to row
-    views of it, so a member whose copy is remade (weight edited) leaves the group invalid."""
+    ``[sum N_i, K]`` (packed int8: ``[sum N_i / 16, ...]``, so only members of whole 16-row blocks
+    fuse), ``scales`` (int8) and ``bias`` (``None`` when no member has one), and ``splits`` (the
+    members' ``N_i``). The members' :class:`_Copy` objects are re-pointed to row views of it, so a
+    member whose copy is remade (weight edited) leaves the group invalid."""
 
     __slots__ = ("members", "copies", "weight", "scales", "bias", "splits")
 
@@ -274,20 +290,23 @@ class _Fused:
         if any(c is None or c.mode != "cpu" or c.weight.device.type != "cpu" for c in copies):
             return None
         ref = copies[0]
-        if any(c.weight.dtype != ref.weight.dtype or c.weight.shape[1] != ref.weight.shape[1]
+        if any(c.weight.dtype != ref.weight.dtype or c.weight.shape[1:] != ref.weight.shape[1:]
                or (c.scales is None) != (ref.scales is None) or (c.bias is None) != (ref.bias is None)
                for c in copies):
+            return None
+        packed = ref.weight.dim() == 4  # int8 in blocks of 16 rows: members must fill whole blocks
+        if packed and any(c.scales.shape[0] % 16 for c in copies):
             return None
         f = cls()
         f.members = tuple(weakref.ref(m) for m in members)
         f.copies = tuple(copies)
-        f.splits = tuple(int(c.weight.shape[0]) for c in copies)
+        f.splits = tuple(int((c.scales if packed else c.weight).shape[0]) for c in copies)
         f.weight = torch.cat([c.weight for c in copies]).contiguous()
         f.scales = None if ref.scales is None else torch.cat([c.scales for c in copies]).contiguous()
         f.bias = None if ref.bias is None else torch.cat([c.bias for c in copies]).contiguous()
         r0 = 0
         for c, n in zip(copies, f.splits):  # the members read their rows of the fused matrix
-            c.weight = f.weight[r0:r0 + n]
+            c.weight = f.weight[r0 // 16:(r0 + n) // 16] if packed else f.weight[r0:r0 + n]
             if f.scales is not None:
                 c.scales = f.scales[r0:r0 + n]
             r0 += n
@@ -408,8 +427,9 @@ class DraftWeights:
         """The current low-precision copy of ``mod``'s weight (remade first if its weight or bias
         changed since), or ``None`` for a module without one. Attributes: ``mode`` (``"cpu"``,
         ``"fp16"``, ``"int8"``, ``"fp8"``: see :func:`_copy_mode`), ``weight`` (the copy, ``[N, K]``:
-        float16; int8 with ``scales`` ``[N, ceil(K / INT8_GROUP_SIZE)]`` float32 on CPU or ``[N]``
-        float32 on CUDA; float8_e4m3fn with ``scales`` ``[N]`` float32) and ``bias`` (float32 on
+        float16; int8 with ``scales`` ``[N]`` float32 on CUDA; float8_e4m3fn with ``scales`` ``[N]``
+        float32; on CPU int8 is :func:`pack_int8`'s layout with ``scales``
+        ``[N, ceil(K / INT8_GROUP_SIZE)]`` float32) and ``bias`` (float32 on
         CPU, float16 for ``"fp16"`` on CUDA, the module's own for CUDA int8 / fp8, or ``None``)."""
         c = self._copies.get(id(mod))
         if c is not None and not c.fresh(mod):

@@ -862,17 +862,29 @@ def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = Non
     time; ``VEGAS_CPU_ISA`` caps it), threads split the output columns; elsewhere the reference
     (dequantize, then ``F.linear``) runs.
 
+    An int8 weight comes row-major ``[N, K]`` or packed (:func:`vegas_ext.draft_weights.pack_int8`:
+    ``[ceil(N / 16), ceil(K / 2), 16, 2]``, two columns of 16 rows side by side), which the draft
+    copies use. Packed, x is rounded to int16 per (row, group) -- to multiples of ``max |x| / 32767``
+    of the group -- and the products are summed in int32 within a group (AVX-512 VNNI ``vpdpwssd``
+    where the processor has it, else ``vpmaddwd``): the weights are never converted to float, which
+    at 4-8 rows makes it 1.3-2x faster than row-major on a Zen 4 core (equal at 1 row:
+    ``bench/results/draft_weights_zen4/kernel.json``). The rounding adds at most
+    ``sum_k |W[n, k]| * step_g(k) / 2`` to each output; every ISA path gives the same bits.
+
     Args:
         x: ``[..., K]`` float32, any strides (copied to contiguous rows if needed).
-        weight: ``[N, K]`` float16 or int8, contiguous.
-        scales: int8 weight: ``[N, ceil(K / group_size)]`` float32, contiguous; float16: ``None``.
+        weight: ``[N, K]`` float16 or int8, or packed int8 ``[ceil(N / 16), ceil(K / 2), 16, 2]``;
+            contiguous.
+        scales: int8 weight: ``[N, ceil(K / group_size)]`` float32, contiguous (packed: gives N);
+            float16: ``None``.
         bias: ``[N]`` float32 or ``None``.
         group_size: weights per scale along K for int8 (a positive multiple of 16; 64 by default);
             unused with float16.
 
     Returns:
         ``[..., N]`` float32. Equal to :func:`vegas_ext.reference.weight_only_linear` up to float32
-        summation order (a different one: not the same bits).
+        summation order (a different one: not the same bits), and packed up to x's rounding; an
+        inf or NaN in a group of x's row makes that row's outputs NaN when packed.
 
     Raises:
         ValueError / RuntimeError naming the argument: wrong rank, dtype, shape, device or layout
@@ -884,9 +896,22 @@ def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = Non
 
 def _check_wol(op, x, weight, scales, bias, group_size):
     _require_tensors(op, x=x, weight=weight, scales_opt=scales, bias_opt=bias)
-    if weight.dim() != 2:
-        _fail(op, f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    N, K = weight.shape
+    packed = weight.dim() == 4
+    if weight.dim() != 2 and not packed:
+        _fail(op, f"weight must be 2-D [N, K] or packed int8 [ceil(N / 16), ceil(K / 2), 16, 2], "
+                  f"got shape {tuple(weight.shape)}")
+    if packed:
+        if weight.dtype != torch.int8:
+            _fail(op, f"a packed (4-D) weight must be int8, got {weight.dtype}")
+        if scales is None or scales.dim() != 2:
+            _fail(op, "a packed int8 weight needs scales [N, ceil(K / group_size)] float32 (N: the output size)")
+        N, K = scales.shape[0], (x.shape[-1] if x.dim() >= 1 else 0)
+        want = (-(-N // 16), -(-K // 2), 16, 2)
+        if tuple(weight.shape) != want:
+            _fail(op, f"a packed int8 weight must have shape [ceil(N / 16), ceil(K / 2), 16, 2] = {list(want)} "
+                      f"(N = scales.size(0), K = x.size(-1)), got {tuple(weight.shape)}")
+    else:
+        N, K = weight.shape
     if x.dim() < 1 or x.shape[-1] != K:
         _fail(op, f"x must have shape [..., K] with K = weight.size(1) = {K}, got {tuple(x.shape)}")
     if x.dtype != torch.float32:

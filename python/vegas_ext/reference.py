@@ -342,8 +342,12 @@ def paged_sparse_draft_attention(
 def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                        group_size: int = 64) -> Tensor:
     """``x . W^T (+ bias)`` with ``W`` dequantized to float32 first: ``weight.float()`` for
-    float16, ``weight * scales`` repeated over each group of ``group_size`` columns for int8.
+    float16, ``weight * scales`` repeated over each group of ``group_size`` columns for int8 (a
+    packed int8 weight unpacked first; x is not rounded as the kernel rounds it).
     Shapes: see :func:`vegas_ext.ops.weight_only_linear`."""
+    if weight.dim() == 4:  # [ceil(N/16), ceil(K/2), 16, 2] -> [N, K]
+        N, K = scales.shape[0], x.shape[-1]
+        weight = weight.permute(0, 2, 1, 3).reshape(weight.shape[0] * 16, weight.shape[1] * 2)[:N, :K]
     K = weight.shape[1]
     w = weight.float()
     if scales is not None:
