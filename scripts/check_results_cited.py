@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Check that every file under bench/results/ is cited, and that there are at most 150 of them.
+"""Check that every file under bench/results/ is cited, and that there are at most 160 of them.
 
 bench/results/ keeps only the measurements behind today's README, docs and defaults, one folder per
 claim; a new measurement of a claim replaces its folder, and the rest lives in git history. A file
@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 RESULTS = "bench/results"
-MAX_FILES = 150
+MAX_FILES = 160
 SOURCES = ["README.md", "docs", "python", "bench", "csrc", "tests"]
 TEXT_EXT = (".md", ".py", ".h", ".hpp", ".cpp", ".cu", ".cuh", ".sh", ".txt", ".toml", ".cfg")
 PATH_IN_TEXT = re.compile(r"bench/results/([\w.*?{},/\-]+)")
