@@ -91,11 +91,32 @@ def test_packed_group_sizes(gs):
     assert ((y.double() - exact).abs() <= _rounding_bound(x, q, s, gs).double()).all()
 
 
-def test_packed_nonfinite_x_gives_nan_rows():
-    x, q, s, b = _case(3, 21, 130, "int8", True, seed=7)
+@pytest.mark.parametrize("isa", ["default", "base", "avx2"])
+def test_packed_nonfinite_and_tiny_x(isa, tmp_path):
+    """An inf or NaN in x makes its row NaN; a group of denormal-sized x counts as zero (within
+    the bound); on every path (the scalar ones forced in a fresh process)."""
+    x, q, s, b = _case(4, 21, 130, "int8", True, seed=7)
     x[1, 70], x[2, 5] = float("inf"), float("nan")
-    y = ops.weight_only_linear(x, pack_int8(q), s, b)
-    assert torch.isnan(y[1:]).all() and torch.isfinite(y[0]).all()
+    x[3, 64:128] = 1e-40
+    torch.save((x, q, s, b), tmp_path / "case.pt")
+    code = """
+import torch
+from vegas_ext import ops
+from vegas_ext.draft_weights import pack_int8
+x, q, s, b = torch.load({path!r})
+torch.save(ops.weight_only_linear(x, pack_int8(q), s, b), {out!r})
+print("ok")
+"""
+    fields = dict(path=str(tmp_path / "case.pt"), out=str(tmp_path / "y.pt"))
+    if isa == "default":
+        exec(code.format(**fields))
+    else:
+        run_with_isa(code, isa, **fields)
+    y = torch.load(tmp_path / "y.pt")
+    assert torch.isnan(y[1:3]).all() and torch.isfinite(y[[0, 3]]).all()
+    rows = [0, 3]
+    exact = reference.weight_only_linear(x[rows].double(), q, s.double(), b.double())
+    assert ((y[rows].double() - exact).abs() <= _rounding_bound(x[rows], q, s).double() + 1e-30).all()
 
 
 def test_pack_int8_layout():

@@ -241,7 +241,9 @@ inline void quantize_rows_i16(const float* x, int64_t M, int64_t K, int64_t gs, 
         nonfinite += xr[k] - xr[k];
       }
 #endif
-      const float inv = amax > 0.f && amax <= 3.4e38f ? 32767.f / amax : 0.f;
+      const bool finite = nonfinite == 0.f;
+      float inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
+      if (!(inv <= 3.4e38f)) inv = 0.f;  // max |x| below ~1e-34: the group counts as zero
       xs[m * ng + g] = amax / 32767.f + nonfinite;
       k = k0;
 #if VEGAS_WOL_VW == 16
@@ -249,10 +251,10 @@ inline void quantize_rows_i16(const float* x, int64_t M, int64_t K, int64_t gs, 
       for (; k < k1; k += 16) {
         const __mmask16 mk = k1 - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k1 - k)) - 1);
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vinv));
-        _mm256_mask_storeu_epi16(qr + k, mk, _mm512_cvtsepi32_epi16(q));
+        _mm256_mask_storeu_epi16(qr + k, mk, finite ? _mm512_cvtsepi32_epi16(q) : _mm256_setzero_si256());
       }
 #else
-      for (; k < k1; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+      for (; k < k1; ++k) qr[k] = finite ? static_cast<int16_t>(std::nearbyint(xr[k] * inv)) : int16_t(0);
 #endif
     }
     if (Kp > K) qr[K] = 0;
