@@ -71,9 +71,11 @@ def test_packed_matches_reference(shape, bias):
         torch.eye(q.shape[1]), q, s).T.double(), None if b is None else b.double())
     assert y.shape == (shape[0], shape[1]) and y.dtype == torch.float32
     assert ((y.double() - exact).abs() <= _rounding_bound(x, q, s).double()).all()
-    # the rounding is what it says: x on its int16 grid gives the row-major result up to summation order
+    # the rounding is what it says: the reference (x on its int16 grid) up to summation order, and
+    # so is the row-major kernel on that grid
     st = _steps(x)
     xr = torch.where(st > 0, torch.round(x / torch.where(st > 0, st, 1)) * st, 0)
+    assert ((y - reference.weight_only_linear(x, pack_int8(q), s, b)).abs() <= 2 * _bound(xr, q, s)).all()
     assert ((y - ops.weight_only_linear(xr, q, s, b)).abs() <= 2 * _bound(xr, q, s)).all()
 
 
@@ -114,6 +116,8 @@ print("ok")
         run_with_isa(code, isa, **fields)
     y = torch.load(tmp_path / "y.pt")
     assert torch.isnan(y[1:3]).all() and torch.isfinite(y[[0, 3]]).all()
+    ref = reference.weight_only_linear(x, pack_int8(q), s, b)
+    assert torch.isnan(ref[1:3]).all() and torch.isfinite(ref[[0, 3]]).all()
     rows = [0, 3]
     exact = reference.weight_only_linear(x[rows].double(), q, s.double(), b.double())
     assert ((y[rows].double() - exact).abs() <= _rounding_bound(x[rows], q, s).double() + 1e-30).all()
@@ -221,9 +225,11 @@ def test_opcheck(fmt):
     torch.library.opcheck(torch.ops.vegas.weight_only_linear.default, (x, w, s, b, 64))
 
 
-def test_fallback_matches_kernel():
+@pytest.mark.parametrize("packed", [False, True], ids=["rowmajor", "packed"])
+def test_fallback_matches_kernel(packed):
     """The checked reference path (used where no compiled kernel serves the device)."""
     x, w, s, b = _case(5, 17, 90, "int8", True, seed=6)
+    w = pack_int8(w) if packed else w
     torch.testing.assert_close(ops._wol_fallback(x, w, s, b), torch.ops.vegas.weight_only_linear(x, w, s, b),
                                atol=1e-5, rtol=1e-5)
 

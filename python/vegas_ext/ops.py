@@ -883,8 +883,8 @@ def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = Non
 
     Returns:
         ``[..., N]`` float32. Equal to :func:`vegas_ext.reference.weight_only_linear` up to float32
-        summation order (a different one: not the same bits), and packed up to x's rounding; an
-        inf or NaN in a group of x's row makes that row's outputs NaN when packed.
+        summation order (a different one: not the same bits); packed, the reference rounds x the
+        same way, and an inf or NaN in a group of x's row makes that row's outputs NaN.
 
     Raises:
         ValueError / RuntimeError naming the argument: wrong rank, dtype, shape, device or layout

@@ -342,17 +342,33 @@ def paged_sparse_draft_attention(
 def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                        group_size: int = 64) -> Tensor:
     """``x . W^T (+ bias)`` with ``W`` dequantized to float32 first: ``weight.float()`` for
-    float16, ``weight * scales`` repeated over each group of ``group_size`` columns for int8 (a
-    packed int8 weight unpacked first; x is not rounded as the kernel rounds it).
-    Shapes: see :func:`vegas_ext.ops.weight_only_linear`."""
+    float16, ``weight * scales`` repeated over each group of ``group_size`` columns for int8. A
+    packed int8 weight is unpacked, and x rounded as the kernel rounds it: per row and group, to
+    nearest-even multiples of ``max |x| / 32767`` (NaN for a group holding an inf or NaN, 0 for a
+    group whose max is below ~1e-34). Shapes: see :func:`vegas_ext.ops.weight_only_linear`."""
     if weight.dim() == 4:  # [ceil(N/16), ceil(K/2), 16, 2] -> [N, K]
         N, K = scales.shape[0], x.shape[-1]
         weight = weight.permute(0, 2, 1, 3).reshape(weight.shape[0] * 16, weight.shape[1] * 2)[:N, :K]
+        x = _round_to_int16_steps(x.float(), group_size)
     K = weight.shape[1]
     w = weight.float()
     if scales is not None:
         w = w * scales.float().repeat_interleave(group_size, dim=1)[:, :K]
     return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+
+
+def _round_to_int16_steps(x: Tensor, group_size: int) -> Tensor:
+    """x [..., K] float32 on the int16 grid of each (row, group of ``group_size``) (see above)."""
+    K = x.shape[-1]
+    ng = -(-K // group_size)
+    xg = torch.nn.functional.pad(x, (0, ng * group_size - K)).unflatten(-1, (ng, group_size))
+    amax = xg.abs().amax(-1, keepdim=True)
+    finite = torch.isfinite(xg).all(-1, keepdim=True)
+    inv = torch.where(finite & (amax > 0), 32767.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(inv <= 3.4e38, inv, torch.zeros_like(inv))
+    step = torch.where(finite, amax / 32767.0, torch.full_like(amax, float("nan")))
+    q = torch.where(finite, torch.round(torch.nan_to_num(xg) * inv), torch.zeros_like(xg))
+    return (q * step).flatten(-2)[..., :K]
 
 
 def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vegas_ext import reference
-from vegas_ext.draft_weights import quantize_int8
+from vegas_ext.draft_weights import pack_int8, quantize_int8
 from vegas_ext.vllm import draft_linears
 from vegas_ext.vllm.options import PROPOSER_PATH
 
@@ -61,8 +61,8 @@ def test_copy_is_read_only_while_drafting(dispatch, kind):
         got = layer.cpu_linear(x, layer.weight, layer.bias)
     assert draft_linears.copies()["calls"] == before["calls"] + 1
     if kind == "int8":
-        q, s = quantize_int8(w)
-        torch.testing.assert_close(got, reference.weight_only_linear(x, q, s, b), rtol=1e-4, atol=1e-4)
+        q, s = quantize_int8(w)  # the copy is packed: the reference rounds x as the kernel does
+        torch.testing.assert_close(got, reference.weight_only_linear(x, pack_int8(q), s, b), rtol=1e-4, atol=1e-4)
     else:
         torch.testing.assert_close(got, reference.weight_only_linear(x, w.half(), None, b), rtol=1e-4, atol=1e-4)
     assert not torch.equal(got, exact) and (got - exact).abs().max() < 0.05 * exact.abs().max()
@@ -87,7 +87,7 @@ def test_tied_parameter_is_copied_once(dispatch):
     with draft_linears.drafting():
         got = head.cpu_linear(x, head.weight, None)
     q, s = quantize_int8(shared)
-    torch.testing.assert_close(got, reference.weight_only_linear(x, q, s), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, reference.weight_only_linear(x, pack_int8(q), s), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("cfg", [None, _config(None), _config("int8", proposer="some.other.Proposer")])
