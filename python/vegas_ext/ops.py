@@ -867,8 +867,8 @@ def weight_only_linear(x: Tensor, weight: Tensor, scales: Optional[Tensor] = Non
     copies use. Packed, x is rounded to int16 per (row, group) -- to multiples of ``max |x| / 32767``
     of the group -- and the products are summed in int32 within a group (AVX-512 VNNI ``vpdpwssd``
     where the processor has it, else ``vpmaddwd``): the weights are never converted to float, which
-    at 4-8 rows makes it 1.3-2x faster than row-major on a Zen 4 core (equal at 1 row:
-    ``bench/results/draft_weights_zen4/kernel.json``). The rounding adds at most
+    at 4-8 rows makes it 1.3-1.8x faster than row-major on Zen 4 (1.07-1.1x at 1 row, where both
+    stream at the memory's pace: ``bench/results/draft_weights_zen4/kernel.json``). The rounding adds at most
     ``sum_k |W[n, k]| * step_g(k) / 2`` to each output; every ISA path gives the same bits.
 
     Args:
