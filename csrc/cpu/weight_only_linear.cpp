@@ -54,36 +54,19 @@ namespace {
 // k/v projection) stays on the calling thread, where a fork/join would cost more than it saves.
 constexpr int64_t kTaskWeightBytes = int64_t(1) << 18;
 
-// The packed int8 layout [ceil(N/16), ceil(K/2), 16, 2]: N from the scales, x rounded to int16
-// per (row, group) once, then threads split the 16-row blocks.
-at::Tensor packed_int8_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& bias,
-                              int64_t group_size) {
-  const int64_t K = x.size(-1);
-  const int64_t N = scales->size(0), Kh = (K + 1) / 2, nb = ceil_div(N, int64_t(16));
-  TORCH_CHECK(weight.size(0) == nb && weight.size(1) == Kh && weight.size(2) == 16 && weight.size(3) == 2, op,
-              ": a packed int8 weight must have shape [ceil(N / 16), ceil(K / 2), 16, 2] = [", nb, ", ", Kh,
-              ", 16, 2] (N = scales.size(0), K = x.size(-1)), got ", weight.sizes());
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty(out_shape, x.options());
-  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  if (M == 0 || N == 0) return y;
-  const int64_t ng = ceil_div(K, group_size);
-  const at::Tensor xc = x.contiguous();
+// The packed int8 layout [ceil(N/16), ceil(K/2), 16, 2] (N from the scales): x rounded to int16 per
+// (row, group) once, then threads split the 16-row blocks.
+void packed_int8_linear(const float* xp, int64_t M, int64_t K, const at::Tensor& weight, const float* scp,
+                        int64_t N, int64_t ng, int64_t group_size, const float* bp, float* yp) {
+  const int64_t Kh = (K + 1) / 2, nb = ceil_div(N, int64_t(16));
   thread_local std::vector<int16_t> xq;  // the calling thread's; kept: ~200 calls per draft step
   thread_local std::vector<float> xs;
   xq.resize(M * 2 * Kh);
   xs.resize(M * ng);
-  const float* xp = xc.data_ptr<float>();
   int16_t* qp = xq.data();
   float* sp = xs.data();
   VEGAS_ISA_CALL(wol::quantize_rows_i16, xp, M, K, group_size, qp, sp);
-  const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
-  const float* scp = scales->data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(2, (kTaskWeightBytes / std::max<int64_t>(1, 32 * Kh) + 1) / 2 * 2);
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
 #ifdef VEGAS_HAVE_X86_PATHS
@@ -92,7 +75,6 @@ at::Tensor packed_int8_linear(const char* op, const at::Tensor& x, const at::Ten
 #endif
     VEGAS_ISA_CALL(wol::packed_int8_blocks, qp, sp, M, K, wp, scp, ng, group_size, bp, yp, N, b0, b1);
   });
-  return y;
 }
 
 at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
@@ -131,6 +113,11 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": scales must be float32, got ", s.scalar_type());
     TORCH_CHECK(s.is_contiguous(), op, ": scales must be contiguous");
     check_same_device(op, x, "x", s, "scales");
+    TORCH_CHECK(!packed || (weight.size(0) == ceil_div(N, int64_t(16)) && weight.size(1) == (K + 1) / 2 &&
+                            weight.size(2) == 16 && weight.size(3) == 2),
+                op, ": a packed int8 weight must have shape [ceil(N / 16), ceil(K / 2), 16, 2] = [",
+                ceil_div(N, int64_t(16)), ", ", (K + 1) / 2, ", 16, 2] (N = scales.size(0), K = x.size(-1)), got ",
+                weight.sizes());
   } else {
     TORCH_CHECK(!scales.has_value(), op, ": scales must be None with a float16 weight");
   }
@@ -142,7 +129,6 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     check_same_device(op, x, "x", b, "bias");
   }
 
-  if (packed) return packed_int8_linear(op, x, weight, scales, bias, group_size);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
@@ -154,6 +140,10 @@ at::Tensor weight_only_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   const float* sp = q8 ? scales->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  if (packed) {
+    packed_int8_linear(xp, M, K, weight, sp, N, ng, group_size, bp, yp);
+    return y;
+  }
   const int64_t row_bytes = std::max<int64_t>(1, K * weight.element_size());
   const int64_t grain = std::max<int64_t>(4, (kTaskWeightBytes / row_bytes + 3) / 4 * 4);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
