@@ -286,7 +286,7 @@ def _add_grid_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--algorithms", type=_csv(str), default=["hf", "full", "vegas"],
                     help="hf (HF generate), full, vegas, streamingllm, quest or any registered selection algorithm, "
                          "optionally with options after slashes: vegas/first_last, vegas/shared, vegas/refresh=4, "
-                         "vegas/decay=0, vegas/bs=64 (overrides --block-sizes), quest/g=auto (this spec's gamma only, run once "
+                         "vegas/decay=0, vegas/recent=0 (num_recent_tokens), vegas/bs=64 (overrides --block-sizes), quest/g=auto (this spec's gamma only, run once "
                          "beside a --num-speculative-tokens sweep), combinable (vegas/shared/first_last) "
                          "(default hf,full,vegas)")
     ap.add_argument("--num-speculative-tokens", type=_csv(int, ("auto",)), default=["auto"],
@@ -357,14 +357,14 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
-    """``"vegas/first_last/shared/refresh=4/decay=0/bs=64"`` -> algorithm name and its options
+    """``"vegas/first_last/shared/refresh=4/decay=0/recent=0/bs=64"`` -> algorithm name and its options
     (defaults from ``--query-weights``, ``--share-selection``, ``--refresh-interval``,
     ``--score-decay``). Raises ``ValueError`` on an unknown option."""
     name, *opts = spec.split("/")
     out = {"algorithm": name, "variant": "/".join(o for o in opts if not o.startswith("g=")),
            "query_weights": args.query_weights, "share_selection_across_heads": args.share_selection,
            "selection_refresh_interval": args.refresh_interval, "score_decay": args.score_decay,
-           "block_size_override": None,
+           "num_recent_tokens": None, "block_size_override": None,
            "draft_weights_override": None, "gamma_override": None}
     for o in opts:
         if o in ("first_last", "all"):
@@ -375,6 +375,8 @@ def parse_algorithm_spec(spec: str, args) -> Dict[str, Any]:
             out["selection_refresh_interval"] = int(o.split("=", 1)[1])
         elif o.startswith("decay="):
             out["score_decay"] = float(o.split("=", 1)[1])
+        elif o.startswith("recent="):
+            out["num_recent_tokens"] = int(o.split("=", 1)[1])
         elif o.startswith("bs="):
             out["block_size_override"] = int(o.split("=", 1)[1])
         elif o.startswith("dw="):
@@ -393,7 +395,7 @@ def configurations(args) -> List[Dict[str, Any]]:
     each other are adjacent in time and a burst of machine noise hits them alike."""
     cfgs = []
     none = {"variant": "", "query_weights": None, "share_selection_across_heads": None,
-            "selection_refresh_interval": None, "score_decay": None}
+            "selection_refresh_interval": None, "score_decay": None, "num_recent_tokens": None}
     for a in args.algorithms:
         if a in ("hf", "full"):
             cfgs.append({"algorithm": a, "num_speculative_tokens": 0, "sparse_attn_ratio": None, "block_size": None,
@@ -471,8 +473,9 @@ class Harness:
             extra.update(share_selection_across_heads=c["share_selection_across_heads"],
                          query_weights=c["query_weights"], selection_refresh_interval=c["selection_refresh_interval"],
                          draft_weights=c.get("draft_weights"))
-            if c.get("score_decay") is not None:
-                extra["score_decay"] = c["score_decay"]
+            for opt in ("score_decay", "num_recent_tokens"):
+                if c.get(opt) is not None:
+                    extra[opt] = c[opt]
         return run_ours(self.model, ids, mask, max_new, self.pad_id, c["algorithm"],
                         g if c["algorithm"] != "full" else 0, c["sparse_attn_ratio"] or 0.05, c["block_size"] or 16,
                         extra)
@@ -585,6 +588,7 @@ def run_records(h: Harness, cell: Dict[str, Any], results: Dict[str, Any], cell_
             "sparse_attn_min_tokens": h.args.min_tokens if drafting else None,
             # the value used (generate's default too), where the algorithm reads verification scores
             "score_decay": s.get("score_decay") if drafting and _reads_scores(c["algorithm"]) else None,
+            "num_recent_tokens": s.get("num_recent_tokens") if drafting and _reads_scores(c["algorithm"]) else None,
             **_stat_fields(s),
             "identical_to_plain": (r["tokens"] == ref[1]["tokens"]) if ref else None,
             "plain_reference": "full" if "full" in results else ("hf" if "hf" in results else None),

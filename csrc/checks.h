@@ -171,7 +171,7 @@ inline void check_draft_values(const char* op, const int32_t* lens, const int32_
 
 inline void check_topk_inputs(const char* op, const at::Tensor& scores, const at::Tensor& k,
                               const at::Tensor& num_candidates, int64_t max_k,
-                              int64_t num_sink_blocks) {
+                              int64_t num_sink_blocks, int64_t num_recent_blocks) {
   TORCH_CHECK(scores.dim() == 3, op, ": block_scores must be 3-D [B, H, N], got shape ",
               scores.sizes());
   TORCH_CHECK(scores.scalar_type() == at::kFloat, op, ": block_scores must be float32, got ",
@@ -183,6 +183,7 @@ inline void check_topk_inputs(const char* op, const at::Tensor& scores, const at
   TORCH_CHECK(max_k >= 0, op, ": max_k must be >= 0, got ", max_k);
   TORCH_CHECK(max_k <= (int64_t)INT32_MAX, op, ": max_k must fit in int32, got ", max_k);
   TORCH_CHECK(num_sink_blocks >= 0, op, ": num_sink_blocks must be >= 0, got ", num_sink_blocks);
+  TORCH_CHECK(num_recent_blocks >= 0, op, ": num_recent_blocks must be >= 0, got ", num_recent_blocks);
 }
 
 inline void check_topk_values(const char* op, const int32_t* k, const int32_t* ncand, int64_t B) {

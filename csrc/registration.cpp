@@ -29,10 +29,11 @@ TORCH_LIBRARY(vegas, m) {
   m.def(
       "verify_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, int block_size, "
       "float scale, Tensor? query_weights=None) -> (Tensor out, Tensor lse, Tensor block_scores)");
-  // Per-(row, head) top-k of block scores, sink blocks first, ascending output, -1 padding.
+  // Per-(row, head) top-k of block scores, sink blocks first and the most recent candidates
+  // always, ascending output, -1 padding.
   m.def(
       "block_topk(Tensor block_scores, Tensor k, Tensor num_candidates, int max_k, "
-      "int num_sink_blocks) -> Tensor");
+      "int num_sink_blocks, int num_recent_blocks=0) -> Tensor");
   // Draft attention over the selected blocks (before the tail) plus the whole tail.
   m.def(
       "sparse_draft_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_indices, "

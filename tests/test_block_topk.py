@@ -158,3 +158,55 @@ def test_narrower_isa_paths_match_reference(isa):
                  "t.test_radix_select_edges_match_reference()\n"
                  "t.test_matches_reference_and_threshold(t.CASES[2])\n"
                  "print('ok')\n", isa)
+
+
+RECENT_CASES = [  # (B, H, N, max_k, sinks, recent)
+    (2, 3, 17, 5, 1, 2),
+    (4, 8, 2048, 103, 2, 32),
+    (3, 2, 100, 128, 0, 7),
+    (2, 4, 64, 64, 64, 5),  # sinks take the whole count
+    (3, 2, 50, 9, 2, 40),  # the recent window alone would exceed the count
+]
+
+
+@pytest.mark.parametrize("case", RECENT_CASES, ids=str)
+def test_recent_blocks_always_taken_then_top_by_score(case):
+    """num_recent_blocks: the last min(recent, c - sinks) eligible blocks are taken, beside the sinks,
+    and the count's rest goes by score among the blocks between them: the reference's selection,
+    ascending, on random, tied and NaN scores, with rows whose count or candidates are short."""
+    B, H, N, max_k, sinks, recent = case
+    g = torch.Generator().manual_seed(N + recent)
+    scores = torch.rand(B, H, N, generator=g)
+    scores[0, 0, ::3] = 0.5  # ties
+    scores[-1, -1, 1::4] = float("nan")
+    k = torch.randint(0, max_k + 3, (B,), generator=g).int()
+    nc = torch.randint(0, N + 5, (B,), generator=g).int()
+    k[0], nc[0] = max_k, N
+    got = torch.ops.vegas.block_topk(scores, k, nc, max_k, sinks, recent)
+    assert torch.equal(got, reference.block_topk(scores, k, nc, max_k, sinks, recent))
+    for b in range(B):
+        elig = min(int(nc[b]), N)
+        c = min(int(k[b]), max_k, elig)
+        n_sink = min(sinks, c)
+        n_recent = min(recent, c - n_sink)
+        forced = set(range(n_sink)) | set(range(elig - n_recent, elig))
+        for h in range(H):
+            row = got[b, h]
+            sel = row[row >= 0].tolist()
+            assert len(sel) == c and sel == sorted(sel) and forced <= set(sel)
+            middle = [j for j in range(n_sink, elig - n_recent) if j not in set(sel)]
+            chosen = [j for j in sel if j not in forced]
+            if middle and chosen:
+                key = torch.where(torch.isnan(scores[b, h]), torch.tensor(float("-inf")), scores[b, h])
+                assert min(key[j].item() for j in chosen) >= max(key[j].item() for j in middle)
+
+
+def test_recent_blocks_zero_is_the_default_and_negative_is_refused():
+    g = torch.Generator().manual_seed(5)
+    scores = torch.rand(2, 3, 40, generator=g)
+    k = torch.tensor([8, 3], dtype=torch.int32)
+    nc = torch.tensor([40, 30], dtype=torch.int32)
+    default = torch.ops.vegas.block_topk(scores, k, nc, 8, 1)
+    assert torch.equal(torch.ops.vegas.block_topk(scores, k, nc, 8, 1, 0), default)
+    with pytest.raises(RuntimeError, match="num_recent_blocks must be >= 0"):
+        torch.ops.vegas.block_topk(scores, k, nc, 8, 1, -1)

@@ -247,6 +247,16 @@ def test_emulated_block_topk(case, kind):
     assert torch.equal(emu.block_topk(s, k, nc, max_k, sinks, 1), reference.block_topk(s, k, nc, max_k, sinks))
 
 
+@pytest.mark.parametrize("recent", [1, 7, 300])
+@pytest.mark.parametrize("case", EMU_TOPK_CASES[1:], ids=str)
+def test_emulated_block_topk_recent_blocks(case, recent):
+    """num_recent_blocks: the last eligible blocks always, the rest by score: the reference's selection."""
+    emu = _emu()
+    s, k, nc, max_k, sinks = _topk_args(case, "ties")
+    got = emu.block_topk(s, k, nc, max_k, sinks, 1, recent)
+    assert torch.equal(got, reference.block_topk(s, k, nc, max_k, sinks, recent))
+
+
 @pytest.mark.parametrize("kind", ["rand", "ties", "special"])
 @pytest.mark.parametrize("ncache", [0, 700, None], ids=["no-cache", "partial-cache", "all-cached"])
 def test_emulated_block_topk_key_cache(ncache, kind):
@@ -556,10 +566,11 @@ def test_draft_with_every_block_equals_verify(dtype, kernel_path):
 @pytest.mark.parametrize("kind", ["rand", "ties", "special"])
 @pytest.mark.parametrize("case", TOPK_CASES + [(2, 8, 131072, 6554, 4), (3, 2, 5000, 5000, 0),
                                                (1, 8, 32768, 1639, 1)], ids=str)
-def test_block_topk_matches_reference(case, kind):
+@pytest.mark.parametrize("recent", [0, 32])
+def test_block_topk_matches_reference(case, kind, recent):
     s, k, nc, max_k, sinks = _topk_args(case, kind)
-    got = torch.ops.vegas.block_topk(s.to(CUDA), k.to(CUDA), nc.to(CUDA), max_k, sinks)
-    want = reference.block_topk(s, k, nc, max_k, sinks)
+    got = torch.ops.vegas.block_topk(s.to(CUDA), k.to(CUDA), nc.to(CUDA), max_k, sinks, recent)
+    want = reference.block_topk(s, k, nc, max_k, sinks, recent)
     assert got.dtype == torch.int32 and got.is_cuda
     assert torch.equal(got.cpu(), want)
 

@@ -379,29 +379,36 @@ def test_budget_blocks():
     assert budget_blocks(lens, cfg).tolist() == [2, 59, 72, 72]
 
 
+@pytest.mark.parametrize("recent_tokens", [0, 12])
 @pytest.mark.parametrize("share", [False, True])
-def test_vegas_selection_respects_budget_sinks_and_tail(share):
+def test_vegas_selection_respects_budget_sinks_and_tail(share, recent_tokens):
+    """Sinks first, the blocks of the last ``recent_tokens`` candidates (12 tokens: 2 blocks of 8)
+    last, the highest scores between them; within the budget, before the tail, ascending."""
     torch.manual_seed(0)
     L, B, H, N = 3, 2, 4, 40
     scores = torch.rand(L, B, H, N)
     lengths = torch.tensor([300, 150], dtype=torch.int32)
     tail = torch.tensor([290, 141], dtype=torch.int32)
-    cfg = SelectionConfig(ratio=0.1, min_tokens=0, block_size=8, num_sink_blocks=2, share_selection_across_heads=share)
+    cfg = SelectionConfig(ratio=0.2, min_tokens=0, block_size=8, num_sink_blocks=2, num_recent_tokens=recent_tokens,
+                          share_selection_across_heads=share)
     idx = VegasSelection(cfg).select(SelectionContext(scores, lengths, tail, cache=None))
-    k = budget_blocks(lengths, cfg)  # [4, 2] blocks
+    k = budget_blocks(lengths, cfg)  # [8, 4] blocks
     ncand = [(290 + 7) // 8, (141 + 7) // 8]
     assert idx.shape == (L, B, H, int(k.max()))
     for l in range(L):
         for b in range(B):
+            c = min(int(k[b]), ncand[b])
+            nr = min(-(-recent_tokens // 8), c - 2)
             for h in range(H):
                 sel = [i for i in idx[l, b, h].tolist() if i >= 0]
-                assert len(sel) == min(int(k[b]), ncand[b])
+                assert len(sel) == c
                 assert all(i < ncand[b] for i in sel) and sel == sorted(sel)
                 assert sel[:2] == [0, 1]  # sinks first
-                rest = [i for i in range(2, ncand[b])]
+                assert sel[c - nr:] == list(range(ncand[b] - nr, ncand[b]))  # the recent blocks last
+                rest = [i for i in range(2, ncand[b] - nr)]
                 sc = scores[l, b].sum(0) if share else scores[l, b, h]
-                best = sorted(rest, key=lambda i: -float(sc[i]))[: len(sel) - 2]
-                assert sorted(best) == sel[2:]
+                best = sorted(rest, key=lambda i: -float(sc[i]))[: c - 2 - nr]
+                assert sorted(best) == sel[2:c - nr]
             if share:
                 assert (idx[l, b] == idx[l, b, :1]).all()
 

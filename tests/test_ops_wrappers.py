@@ -17,8 +17,8 @@ from op_utils import make_inputs, random_selection
 SIGNATURES = {
     "verify_attention": (["q", "k_cache", "v_cache", "seq_lens", "block_size", "scale", "query_weights"],
                          {"query_weights": None}, {"seq_lens"}),
-    "block_topk": (["block_scores", "k", "num_candidates", "max_k", "num_sink_blocks"], {"num_sink_blocks": 0},
-                   {"k", "num_candidates"}),
+    "block_topk": (["block_scores", "k", "num_candidates", "max_k", "num_sink_blocks", "num_recent_blocks"],
+                   {"num_sink_blocks": 0, "num_recent_blocks": 0}, {"k", "num_candidates"}),
     "sparse_draft_attention": (["q", "k_cache", "v_cache", "block_indices", "tail_start", "seq_lens", "block_size",
                                 "scale"], {}, {"tail_start", "seq_lens"}),
     "block_minmax_update": (["key_min", "key_max", "k_cache", "seq_lens", "start", "block_size"], {},

@@ -180,6 +180,26 @@ def test_selected_blocks_respect_budget_sinks_and_tail(alg, share):
             assert bool((idx == idx[:, :, :1]).all())
 
 
+def test_vegas_keeps_the_recent_blocks_before_the_tail():
+    """num_recent_tokens=20 at 16-token blocks: the 2 blocks before the tail are in every draft's
+    set beside the sink, the rest of the budget goes by score; output unchanged."""
+    model, ids, mask, ref = _case("llama", 3)
+    _LOG.clear()
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_speculative_tokens=GAMMA, gamma_policy="fixed",
+                   sparse_attn_algorithm="_test_rec_vegas", num_sink_blocks=1, num_recent_tokens=20,
+                   **{**SMALL, "sparse_attn_min_tokens": 80})
+    assert torch.equal(out.sequences, ref)
+    assert out.stats["num_recent_tokens"] == 20
+    _check_log(1)
+    for k, tail, idx, _it, _prev in _LOG:
+        nc = (tail.long() + 15) // 16
+        for b in range(idx.shape[1]):
+            c = min(int(k[b]), int(nc[b]))
+            recent = set(range(int(nc[b]) - min(2, c - 1), int(nc[b])))
+            for row in idx[:, b].reshape(-1, idx.shape[-1]):
+                assert recent <= set(row.tolist()), (recent, row)
+
+
 def test_streaming_indices_unit():
     k = torch.tensor([3, 5, 2, 0, 4], dtype=torch.int32)
     nc = torch.tensor([10, 3, 1, 5, 4], dtype=torch.int32)

@@ -1,6 +1,7 @@
 // CPU kernel of vegas::block_topk. Per (row b, head h): sink blocks [0, num_sink_blocks)
-// first (as many as fit), then the highest-scoring remaining eligible blocks
-// [0, min(num_candidates[b], N)); c = min(k[b], max_k, eligible) in all. Order: higher
+// first (as many as fit), then the num_recent_blocks last eligible blocks (as many as fit),
+// then the highest-scoring remaining eligible blocks of [0, min(num_candidates[b], N));
+// c = min(k[b], max_k, eligible) in all. Order: higher
 // score first, NaN below every number (-inf included), ties to the lower index -- a total
 // order, so every device and run picks the same set. Output ascending, -1 padded.
 // Selection: a radix select on order-preserving integer keys of the float bits (digits
@@ -210,9 +211,10 @@ void select_top(const float* s, int64_t j0, int64_t j1, int64_t rest, std::vecto
 }
 
 at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
-                          const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks) {
+                          const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks,
+                          int64_t num_recent_blocks) {
   const char* op = "vegas::block_topk";
-  check_topk_inputs(op, scores_in, k_in, ncand_in, max_k, num_sink_blocks);
+  check_topk_inputs(op, scores_in, k_in, ncand_in, max_k, num_sink_blocks, num_recent_blocks);
   const at::Tensor scores = scores_in.contiguous();
   const at::Tensor kt = k_in.contiguous();
   const at::Tensor nt = ncand_in.contiguous();
@@ -239,8 +241,12 @@ at::Tensor block_topk_cpu(const at::Tensor& scores_in, const at::Tensor& k_in,
           const int64_t elig = std::min<int64_t>(nc[b], N);
           const int64_t c = std::min<int64_t>({int64_t(kk[b]), max_k, elig});
           const int64_t sinks = std::min<int64_t>(num_sink_blocks, c);
+          // the recent blocks [elig - recent, elig) close the ascending output
+          const int64_t recent = std::min<int64_t>(num_recent_blocks, c - sinks);
           for (int64_t j = 0; j < sinks; ++j) o[j] = static_cast<int32_t>(j);
-          if (c > sinks) select_top(sp + row * N, sinks, elig, c - sinks, buf.first, buf.second, o + sinks);
+          for (int64_t j = 0; j < recent; ++j) o[c - recent + j] = static_cast<int32_t>(elig - recent + j);
+          if (c > sinks + recent)
+            select_top(sp + row * N, sinks, elig - recent, c - sinks - recent, buf.first, buf.second, o + sinks);
           std::fill(o + std::max<int64_t>(c, 0), o + max_k, -1);
         }
       });

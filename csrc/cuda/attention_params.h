@@ -124,7 +124,7 @@ struct TopkParams {
   const int32_t* k;     // [B]
   const int32_t* num_candidates;  // [B]
   int32_t* out;         // [rows, max_k]
-  int H, N, max_k, num_sink_blocks;
+  int H, N, max_k, num_sink_blocks, num_recent_blocks;
   int ncache;           // candidates whose keys are cached in shared memory (block_topk)
 };
 

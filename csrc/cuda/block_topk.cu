@@ -13,10 +13,10 @@ namespace {
 
 at::Tensor block_topk_cuda(const at::Tensor& block_scores, const at::Tensor& k,
                            const at::Tensor& num_candidates, int64_t max_k,
-                           int64_t num_sink_blocks) {
+                           int64_t num_sink_blocks, int64_t num_recent_blocks) {
   const c10::cuda::CUDAGuard guard(block_scores.device());
   CudaBackend be(block_scores);
-  return block_topk_impl(be, block_scores, k, num_candidates, max_k, num_sink_blocks);
+  return block_topk_impl(be, block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks);
 }
 
 }  // namespace

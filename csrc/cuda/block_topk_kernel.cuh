@@ -7,7 +7,8 @@
 // 2048-bin shared histogram) finds the key T of the last selected candidate and how many
 // candidates with key == T are needed; a final pass in index order takes every key > T and
 // the first `need` keys == T, so the output is ascending with no sort. Sinks
-// [0, min(num_sink_blocks, c)) come first; positions >= c are -1. k / num_candidates are
+// [0, min(num_sink_blocks, c)) come first and the last min(num_recent_blocks, c - sinks)
+// eligible blocks last; positions >= c are -1. k / num_candidates are
 // clamped at 0 (device-side guard: their values are not checked on the host unless
 // VEGAS_CUDA_VALUE_CHECKS=1).
 //
@@ -107,12 +108,14 @@ static VEGAS_GLOBAL void VEGAS_LAUNCH_BOUNDS(kTopkThreads) block_topk_kernel(con
   const int kb = p.k[b];
   const int c = imin(imin(kb < 0 ? 0 : kb, p.max_k), elig);
   const int sinks = imin(p.num_sink_blocks, c);
-  const int rest = c - sinks;
-  const int n = elig - sinks;  // candidates after the sinks
+  const int recent = imin(p.num_recent_blocks, c - sinks);  // [elig - recent, elig), output last
+  const int rest = c - sinks - recent;
+  const int n = elig - recent - sinks;  // candidates between the sinks and the recent blocks
 
   for (int j = tid; j < p.max_k; j += nth) {
     if (j < sinks) o[j] = j;
     else if (j >= c) o[j] = -1;
+    else if (j >= c - recent) o[j] = elig - (c - j);
   }
   if (rest <= 0) return;  // uniform over the CTA
   if (rest >= n) {        // every remaining eligible block is selected

@@ -355,9 +355,10 @@ at::Tensor sparse_draft_attention_impl(Backend& be, const at::Tensor& q_in,
 
 template <class Backend>
 at::Tensor block_topk_impl(Backend& be, const at::Tensor& scores_in, const at::Tensor& k_in,
-                           const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks) {
+                           const at::Tensor& ncand_in, int64_t max_k, int64_t num_sink_blocks,
+                           int64_t num_recent_blocks) {
   const char* op = "vegas::block_topk";
-  check_topk_inputs(op, scores_in, k_in, ncand_in, max_k, num_sink_blocks);
+  check_topk_inputs(op, scores_in, k_in, ncand_in, max_k, num_sink_blocks, num_recent_blocks);
   const at::Tensor scores = scores_in.contiguous();
   const at::Tensor kt = k_in.contiguous();
   const at::Tensor nt = ncand_in.contiguous();
@@ -380,6 +381,7 @@ at::Tensor block_topk_impl(Backend& be, const at::Tensor& scores_in, const at::T
   p.N = static_cast<int>(N);
   p.max_k = static_cast<int>(max_k);
   p.num_sink_blocks = static_cast<int>(std::min<int64_t>(num_sink_blocks, INT32_MAX));
+  p.num_recent_blocks = static_cast<int>(std::min<int64_t>(num_recent_blocks, INT32_MAX));
   p.ncache = static_cast<int>(topk_cache_keys(N, be.smem_optin()));
   be.launch(&block_topk_kernel, Grid3{B * H, 1, 1}, kTopkThreads,
             kTopkSmemBytes + size_t(p.ncache) * sizeof(uint32_t), p);

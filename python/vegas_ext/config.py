@@ -369,6 +369,10 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
              "quest; vLLM: its page size)"),
     _opt("num_sink_blocks", 1, "int", 0, INT32_MAX, cli="--sink-blocks", vllm="num_sink_pages", doors=DOORS,
          doc="leading blocks always selected (attention sinks); the plugin's blocks are vLLM's pages"),
+    _opt("num_recent_tokens", 32, "int", 0, INT32_MAX, cli="--recent-tokens",
+         doc="vegas: the tokens just before the draft tail (whole blocks of them) are always selected, within "
+             "the budget, and the top-scored blocks fill the rest (a local window, as SparseSpec-L keeps); 0: "
+             "the top-scored alone (the paper's)"),
     _opt("share_selection_across_heads", False, "bool", cli="--share-selection",
          doc="one block set per layer instead of one per KV head"),
     _opt("query_weights", "all", "choice", choices=QUERY_WEIGHTS, cli="--query-weights",
@@ -453,9 +457,10 @@ def check_selection(values: Mapping[str, Any], labels: Optional[Mapping[str, str
                     algorithms: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """``sparse_attn_algorithm`` (one of ``algorithms``, default :data:`ALGORITHMS`),
     ``share_selection_across_heads`` (bool), ``query_weights`` (one of :data:`QUERY_WEIGHTS`),
-    ``selection_refresh_interval`` (>= 1), ``score_decay`` (in ``[0, 1]``), those present."""
-    out = _check(("share_selection_across_heads", "query_weights", "selection_refresh_interval", "score_decay"),
-                 values, labels)
+    ``selection_refresh_interval`` (>= 1), ``score_decay`` (in ``[0, 1]``), ``num_recent_tokens``
+    (in ``[0, 2**31 - 1]``), those present."""
+    out = _check(("share_selection_across_heads", "query_weights", "selection_refresh_interval", "score_decay",
+                  "num_recent_tokens"), values, labels)
     if "sparse_attn_algorithm" in values:
         name = _label("sparse_attn_algorithm", labels)
         out["sparse_attn_algorithm"] = OPTIONS["sparse_attn_algorithm"].check(
@@ -526,6 +531,7 @@ class VegasConfig:
     sparse_attn_max_tokens: Optional[int] = _default("sparse_attn_max_tokens")
     block_size: Optional[int] = _default("block_size")
     num_sink_blocks: int = _default("num_sink_blocks")
+    num_recent_tokens: int = _default("num_recent_tokens")
     share_selection_across_heads: bool = _default("share_selection_across_heads")
     query_weights: str = _default("query_weights")
     selection_refresh_interval: int = _default("selection_refresh_interval")

@@ -880,6 +880,9 @@ def generate(
             algorithm's ``default_block_size`` -- 1 for ``"vegas"`` (token granularity, as the
             authors' code), 16 for ``"streamingllm"`` and ``"quest"`` (Quest's pages).
         num_sink_blocks: leading blocks always selected (attention sinks).
+        num_recent_tokens: ``"vegas"``: the blocks holding the last this many tokens before the
+            draft tail are always selected (within the budget), the top-scored fill the rest; 0:
+            the top-scored alone, as the paper. Default 32 (docs/options.md).
         share_selection_across_heads: one block set per layer (scores summed over KV heads; the
             authors' choice) instead of one per KV head.
         query_weights: ``"all"`` (every verification query scores blocks) or ``"first_last"``
@@ -1115,7 +1118,7 @@ def _plan(model, opts: dict, prompt_lens: Tensor, max_pos: int) -> _Plan:
     strategy = SELECTION_ALGORITHMS[opts["sparse_attn_algorithm"]](SelectionConfig(
         ratio=float(opts["sparse_attn_ratio"]), min_tokens=int(opts["sparse_attn_min_tokens"]),
         max_tokens=opts["sparse_attn_max_tokens"], block_size=block_size,
-        num_sink_blocks=int(opts["num_sink_blocks"]),
+        num_sink_blocks=int(opts["num_sink_blocks"]), num_recent_tokens=int(opts["num_recent_tokens"]),
         share_selection_across_heads=bool(opts["share_selection_across_heads"]),
         refresh_interval=int(opts["selection_refresh_interval"]),
         score_decay=float(opts["score_decay"]),
@@ -1158,7 +1161,8 @@ def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device) ->
     keys = ("sparse_attn_algorithm", "sparse_attn_max_tokens", "query_weights")
     out = {k: opts[k] for k in keys}
     out.update({k: float(opts[k]) for k in ("sparse_attn_ratio", "score_decay", "temperature", "top_p")})
-    out.update({k: int(opts[k]) for k in ("sparse_attn_min_tokens", "num_sink_blocks", "selection_refresh_interval",
+    out.update({k: int(opts[k]) for k in ("sparse_attn_min_tokens", "num_sink_blocks", "num_recent_tokens",
+                                          "selection_refresh_interval",
                                           "top_k", "max_new_tokens")})
     out.update({k: bool(opts[k]) for k in ("share_selection_across_heads", "do_sample")})
     gamma = plan.policy.max_gamma
@@ -1173,7 +1177,7 @@ def _config_used(opts: dict, plan: _Plan, prompt_lens: Tensor, dtype, device) ->
 #: the order of the configuration keys in ``stats``
 _CONFIG_KEYS = (
     "sparse_attn_algorithm", "num_speculative_tokens", "sparse_attn_ratio",
-    "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size", "num_sink_blocks",
+    "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size", "num_sink_blocks", "num_recent_tokens",
     "share_selection_across_heads", "query_weights", "selection_refresh_interval", "score_decay", "do_sample",
     "temperature", "top_k", "top_p", "max_new_tokens", "batch_size", "prompt_lengths", "dtype", "device",
     "draft_weights", "compile_steps",

@@ -398,8 +398,9 @@ def block_topk(
     num_candidates: Union[Tensor, int],
     max_k: int,
     num_sink_blocks: int = 0,
+    num_recent_blocks: int = 0,
 ) -> Tensor:
-    """Top-k blocks per (row, head) by score, sink blocks always first.
+    """Top-k blocks per (row, head) by score, sink blocks and the most recent blocks always.
 
     Args:
         block_scores: ``[B, H, N]`` float32 (e.g. ``verify_attention``'s block scores;
@@ -410,6 +411,9 @@ def block_topk(
         max_k: output width; also caps the count.
         num_sink_blocks: blocks ``[0, num_sink_blocks)`` are taken first (attention sinks,
             StreamingLLM arXiv 2309.17453), as many as fit.
+        num_recent_blocks: then the last ``num_recent_blocks`` eligible blocks (those just before
+            the draft tail: a local window, as SparseSpec-L keeps one beside its top entries, arXiv
+            2607.27735), as many as fit beside the sinks; the rest of the count goes by score.
 
     Returns:
         ``[B, H, max_k]`` int32: ``c = min(k[b], max_k, eligible)`` block indices in ascending
@@ -418,16 +422,17 @@ def block_topk(
 
     Raises:
         RuntimeError / ValueError naming the argument: block_scores not 3-D float32, k or
-        num_candidates not int32 ``[B]`` or negative, max_k or num_sink_blocks negative.
+        num_candidates not int32 ``[B]`` or negative, max_k, num_sink_blocks or
+        num_recent_blocks negative.
 
     Checks: negative ``k`` / ``num_candidates`` values raise on CPU; on CUDA only with
     ``VEGAS_CUDA_VALUE_CHECKS=1``, otherwise they count as 0 (no host sync).
     """
     _require_tensors("block_topk", block_scores=block_scores, k=k, num_candidates=num_candidates)
-    return torch.ops.vegas.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks)
+    return torch.ops.vegas.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks)
 
 
-def _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks):
+def _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks=0):
     if block_scores.dim() != 3:
         _fail(op, f"block_scores must be 3-D [B, H, N], got shape {tuple(block_scores.shape)}")
     if block_scores.dtype != torch.float32:
@@ -439,22 +444,24 @@ def _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks):
         _fail(op, f"max_k must be >= 0, got {max_k}")
     if num_sink_blocks < 0:
         _fail(op, f"num_sink_blocks must be >= 0, got {num_sink_blocks}")
+    if num_recent_blocks < 0:
+        _fail(op, f"num_recent_blocks must be >= 0, got {num_recent_blocks}")
     return B
 
 
-def _topk_fallback(block_scores, k, num_candidates, max_k, num_sink_blocks):
+def _topk_fallback(block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks=0):
     op = "block_topk"
-    _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks)
+    _check_topk(op, block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks)
     for name, t in (("k", k), ("num_candidates", num_candidates)):
         if bool((t < 0).any()):
             b = int((t < 0).nonzero()[0, 0])
             _fail(op, f"{name}[{b}] = {int(t[b])} must be >= 0")
-    return reference.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks)
+    return reference.block_topk(block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks)
 
 
 @torch.library.register_fake("vegas::block_topk")
-def _topk_fake(block_scores, k, num_candidates, max_k, num_sink_blocks):
-    B = _check_topk("block_topk", block_scores, k, num_candidates, max_k, num_sink_blocks)
+def _topk_fake(block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks=0):
+    B = _check_topk("block_topk", block_scores, k, num_candidates, max_k, num_sink_blocks, num_recent_blocks)
     return block_scores.new_empty((B, block_scores.shape[1], max_k), dtype=torch.int32)
 
 

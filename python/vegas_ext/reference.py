@@ -100,11 +100,12 @@ def block_topk(
     num_candidates: Tensor,
     max_k: int,
     num_sink_blocks: int,
+    num_recent_blocks: int = 0,
 ) -> Tensor:
     """Reference of :func:`vegas_ext.ops.block_topk` (same contract).
 
-    Rank = (sink first, then eligible non-NaN by score descending, then eligible NaN,
-    then ineligible), ties to the lower index; built from stable sorts.
+    Rank = (sink and recent blocks first, then eligible non-NaN by score descending, then
+    eligible NaN, then ineligible), ties to the lower index; built from stable sorts.
     """
     B, H, N = block_scores.shape
     dev = block_scores.device
@@ -117,6 +118,9 @@ def block_topk(
     key = torch.where(nan, torch.full_like(s, float("-inf")), s)
     is_elig = idx.view(1, 1, N) < elig
     is_sink = (idx.view(1, 1, N) < num_sink_blocks) & is_elig
+    # the last r eligible blocks, r = min(num_recent_blocks, c - sinks taken): all of them are taken
+    r = torch.clamp(c - torch.clamp(c, max=num_sink_blocks), max=num_recent_blocks)
+    is_sink = is_sink | ((idx.view(1, 1, N) >= elig - r) & is_elig)
     category = torch.where(
         is_sink,
         torch.zeros_like(s, dtype=torch.long),

@@ -62,6 +62,7 @@ class SelectionConfig:
     max_tokens: Optional[int] = config.OPTIONS["sparse_attn_max_tokens"].default
     block_size: int = config.DEFAULT_BLOCK_SIZE["quest"]
     num_sink_blocks: int = config.OPTIONS["num_sink_blocks"].default
+    num_recent_tokens: int = config.OPTIONS["num_recent_tokens"].default
     share_selection_across_heads: bool = config.OPTIONS["share_selection_across_heads"].default
     refresh_interval: int = config.OPTIONS["selection_refresh_interval"].default
     score_decay: float = config.OPTIONS["score_decay"].default
@@ -187,7 +188,9 @@ class FullAttention(SelectionStrategy):
 @register_selection_algorithm("vegas")
 class VegasSelection(SelectionStrategy):
     """Vegas (arXiv 2602.07223): top-k blocks by the attention mass the verification queries put on
-    them, among the blocks before the draft tail, sink blocks first; per KV head, or one set per
+    them, among the blocks before the draft tail, sink blocks first and the blocks holding the
+    ``num_recent_tokens`` tokens before the tail always (a local window beside the top entries, as
+    SparseSpec-L, arXiv 2607.27735; within the budget); per KV head, or one set per
     layer (scores summed over heads) with ``share_selection_across_heads``. All layers in one
     :func:`vegas_ext.ops.block_topk` call (layers stacked into the batch dimension). With
     ``refresh_interval = n > 1`` the blocks are re-selected only every ``n`` iterations and kept in
@@ -213,7 +216,8 @@ class VegasSelection(SelectionStrategy):
         s = scores.view(L * B, H, N)
         if cfg.share_selection_across_heads:
             s = s.sum(1, keepdim=True)
-        idx = ops.block_topk(s, k.repeat(L), ncand.repeat(L), max_k, cfg.num_sink_blocks)
+        recent = -(-int(cfg.num_recent_tokens) // cfg.block_size)
+        idx = ops.block_topk(s, k.repeat(L), ncand.repeat(L), max_k, cfg.num_sink_blocks, recent)
         idx = idx.view(L, B, -1, max_k)
         if cfg.share_selection_across_heads:
             idx = idx.expand(L, B, H, max_k).contiguous()

@@ -68,9 +68,9 @@ at::Tensor sparse_draft_attention_emu(const at::Tensor& q, const at::Tensor& k,
 }
 
 at::Tensor block_topk_emu(const at::Tensor& scores, const at::Tensor& k, const at::Tensor& nc,
-                          int64_t max_k, int64_t sinks, int64_t checks) {
+                          int64_t max_k, int64_t sinks, int64_t checks, int64_t recent) {
   EmuBackend be{false, 4, int(checks)};
-  return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks);
+  return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks, recent);
 }
 
 // block_topk with a CTA shared-memory limit of `optin` bytes: only the first
@@ -80,7 +80,7 @@ at::Tensor block_topk_optin_emu(const at::Tensor& scores, const at::Tensor& k,
                                 int64_t optin) {
   EmuBackend be{false, 4, 0};
   be.optin = optin;
-  return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks);
+  return vegas::cuda::block_topk_impl(be, scores, k, nc, max_k, sinks, 0);
 }
 
 int64_t topk_cache_keys(int64_t n, int64_t optin) { return vegas::cuda::topk_cache_keys(n, optin); }
@@ -159,7 +159,9 @@ std::string score_mode(int64_t B, int64_t Q, int64_t Hq, int64_t Hkv, int64_t D,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("verify_attention", &verify_attention_emu);
   m.def("sparse_draft_attention", &sparse_draft_attention_emu);
-  m.def("block_topk", &block_topk_emu);
+  m.def("block_topk", &block_topk_emu, "", pybind11::arg("scores"), pybind11::arg("k"),
+        pybind11::arg("num_candidates"), pybind11::arg("max_k"), pybind11::arg("sinks"), pybind11::arg("checks"),
+        pybind11::arg("recent") = 0);
   m.def("paged_block_scores", &paged_block_scores_emu);
   m.def("paged_plan", &paged_plan);
   m.def("paged_verify_attention", &paged_verify_attention_emu);

@@ -128,8 +128,8 @@ def _prompt_flags(pr) -> None:
 _SPECULATION = ("max_new_tokens", "num_speculative_tokens", "gamma_policy", "sparse_attn_algorithm", "draft_weights",
                 "compile_steps")
 _SELECTION = ("sparse_attn_ratio", "sparse_attn_min_tokens", "sparse_attn_max_tokens", "block_size",
-              "num_sink_blocks", "share_selection_across_heads", "query_weights", "selection_refresh_interval",
-              "score_decay")
+              "num_sink_blocks", "num_recent_tokens", "share_selection_across_heads", "query_weights",
+              "selection_refresh_interval", "score_decay")
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
 
 
