@@ -120,14 +120,14 @@ def block_topk(
     is_sink = (idx.view(1, 1, N) < num_sink_blocks) & is_elig
     # the last r eligible blocks, r = min(num_recent_blocks, c - sinks taken): all of them are taken
     r = torch.clamp(c - torch.clamp(c, max=num_sink_blocks), max=num_recent_blocks)
-    is_sink = is_sink | ((idx.view(1, 1, N) >= elig - r) & is_elig)
+    forced = is_sink | ((idx.view(1, 1, N) >= elig - r) & is_elig)
     category = torch.where(
-        is_sink,
+        forced,
         torch.zeros_like(s, dtype=torch.long),
         torch.where(is_elig, torch.where(nan, 2, 1), 3),
     )
-    # sinks rank by index (lowest first), so give them one equal top key
-    key = torch.where(is_sink, torch.full_like(s, float("inf")), key)
+    # sinks and recent blocks rank by index (lowest first), so give them one equal top key
+    key = torch.where(forced, torch.full_like(s, float("inf")), key)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     cat_sorted = torch.gather(category, -1, order)
     order2 = torch.sort(cat_sorted, dim=-1, stable=True).indices
